@@ -1,0 +1,28 @@
+"""workbench: plan, launch and watch distributed training of large models.
+
+The planning core (model, cluster, plan, memory, comms, schedule, perf, advisor) imports no
+torch and no UI: it is instant and importable anywhere.
+"""
+
+from .cluster import Calibration, Cluster, GPUSpec, LinkSpec
+from .config import PRECISIONS, RunConfig, TrainSettings
+from .errors import ConfigError
+from .model import ModelSpec
+from .plan import ParallelPlan, Placement
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Calibration",
+    "Cluster",
+    "ConfigError",
+    "GPUSpec",
+    "LinkSpec",
+    "ModelSpec",
+    "PRECISIONS",
+    "ParallelPlan",
+    "Placement",
+    "RunConfig",
+    "TrainSettings",
+    "__version__",
+]

@@ -1,0 +1,232 @@
+"""Trained how: :class:`TrainSettings`; and the whole job: :class:`RunConfig`.
+
+Precision is five fields, so that every recipe in use can be written down:
+
+================  =======  ======  ======  =====  =======  ==========================================
+preset            param    grad    master  optim  compute  bytes/param with Adam (params+grads+states)
+================  =======  ======  ======  =====  =======  ==========================================
+``fp32``          fp32     fp32    --      fp32   fp32     16
+``bf16-megatron`` bf16     fp32    fp32    fp32   bf16     18 (Megatron: fp32 main grads)
+``bf16-zero``     bf16     bf16    fp32    fp32   bf16     16 (ZeRO paper, K = 12)
+``fsdp2-bf16``    fp32     fp32    --      fp32   bf16     16 + bf16 all-gathered copies (FSDP2
+                                                           MixedPrecisionPolicy(bf16, reduce fp32))
+``bf16``          bf16     bf16    --      bf16   bf16     8 (pure bf16, no master copy)
+================  =======  ======  ======  =====  =======  ==========================================
+
+``param_dtype`` is how parameters are stored; ``master_dtype`` is a separate higher-precision copy
+the optimizer updates (None when the stored parameters are themselves the master copy);
+``compute_dtype`` is the dtype of activations and of the unsharded weights used in matmuls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping
+
+from .cluster import Cluster
+from .errors import ConfigError, check_choice, check_int, check_positive, require
+from .model import ModelSpec
+from .plan import ParallelPlan
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("flash", "eager")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # Adam: m and v; SGD: momentum
+DATASETS = ("pydoc", "synthetic", "text", "bin")
+
+PRECISIONS: dict[str, dict[str, str | None]] = {
+    "fp32": dict(param_dtype="fp32", grad_dtype="fp32", master_dtype=None, optim_dtype="fp32", compute_dtype="fp32"),
+    "bf16-megatron": dict(param_dtype="bf16", grad_dtype="fp32", master_dtype="fp32", optim_dtype="fp32", compute_dtype="bf16"),
+    "bf16-zero": dict(param_dtype="bf16", grad_dtype="bf16", master_dtype="fp32", optim_dtype="fp32", compute_dtype="bf16"),
+    "fsdp2-bf16": dict(param_dtype="fp32", grad_dtype="fp32", master_dtype=None, optim_dtype="fp32", compute_dtype="bf16"),
+    "bf16": dict(param_dtype="bf16", grad_dtype="bf16", master_dtype=None, optim_dtype="bf16", compute_dtype="bf16"),
+}
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Batch, sequence, recomputation, precision, optimizer and the trainer's knobs.
+
+    ``global_batch_size`` counts sequences per optimizer step (0: one micro-batch per
+    data-parallel rank and pipeline stage, resolved by :class:`RunConfig`).
+    """
+
+    seq_len: int = 2048
+    micro_batch_size: int = 1
+    global_batch_size: int = 0
+    recompute: str = "none"
+    attention: str = "flash"  # "flash": no s x s scores kept; "eager": scores and softmax kept
+    dropout: bool = False  # Korthikanti's activation coefficients assume dropout masks
+    optimizer: str = "adamw"
+    param_dtype: str = "fp32"
+    grad_dtype: str = "fp32"
+    master_dtype: str | None = None
+    optim_dtype: str = "fp32"
+    compute_dtype: str = "bf16"
+    # Fraction of allocated bytes lost to the caching allocator's fragmentation (measured on
+    # PyTorch LLM training: reserved / allocated is typically 1.03-1.10).
+    allocator_fragmentation: float = 0.05
+    # the trainer
+    steps: int = 100
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 0
+    deterministic: bool = False
+    dataset: str = "pydoc"
+    data_path: str | None = None
+    checkpoint_every: int = 0
+    moe_aux_loss_coeff: float = 0.01
+    moe_capacity_factor: float = 0.0  # 0: dropless
+
+    def __post_init__(self) -> None:
+        check_int("seq_len", self.seq_len)
+        check_int("micro_batch_size", self.micro_batch_size)
+        check_int("global_batch_size", self.global_batch_size, minimum=0)
+        check_choice("recompute", self.recompute, RECOMPUTE)
+        check_choice("attention", self.attention, ATTENTION)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        for f in ("param_dtype", "grad_dtype", "optim_dtype", "compute_dtype"):
+            check_choice(f, getattr(self, f), tuple(DTYPE_BYTES))
+        if self.master_dtype is not None:
+            check_choice("master_dtype", self.master_dtype, tuple(DTYPE_BYTES))
+        require(
+            0 <= self.allocator_fragmentation < 1,
+            f"allocator_fragmentation={self.allocator_fragmentation} must be in [0, 1)",
+            field="allocator_fragmentation",
+        )
+        check_int("steps", self.steps, minimum=0)
+        check_positive("lr", self.lr)
+        check_int("warmup_steps", self.warmup_steps, minimum=0)
+        check_positive("grad_clip", self.grad_clip, allow_zero=True)
+        check_choice("dataset", self.dataset, DATASETS)
+        if self.dataset in ("text", "bin"):
+            require(self.data_path is not None, f"dataset={self.dataset!r} needs data_path", field="data_path")
+        check_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        require(
+            self.moe_capacity_factor == 0 or self.moe_capacity_factor >= 1,
+            f"moe_capacity_factor={self.moe_capacity_factor} must be 0 (dropless) or >= 1",
+            field="moe_capacity_factor",
+        )
+        object.__setattr__(self, "betas", tuple(self.betas))
+
+    @staticmethod
+    def precisions() -> tuple[str, ...]:
+        return tuple(PRECISIONS)
+
+    def with_precision(self, name: str) -> "TrainSettings":
+        """The same settings under a named precision recipe (see the module docstring)."""
+        if name not in PRECISIONS:
+            raise ConfigError(
+                f"precision={name!r} is not one of {', '.join(PRECISIONS)}", field="precision", value=name
+            )
+        return replace(self, **PRECISIONS[name])
+
+    @property
+    def precision(self) -> str | None:
+        """The preset name these dtypes match, or None for a custom mix."""
+        mine = {k: getattr(self, k) for k in PRECISIONS["fp32"]}
+        return next((n for n, p in PRECISIONS.items() if p == mine), None)
+
+    @property
+    def optimizer_states(self) -> int:
+        return OPTIMIZER_STATES[self.optimizer]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainSettings":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"train has unknown fields {unknown}", field="train")
+        return cls(**dict(data))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A training job: model, cluster, plan, settings. Construction validates the whole and
+    resolves the defaults that depend on the others (``dp_shard=-1``, ``global_batch_size=0``)."""
+
+    model: ModelSpec
+    cluster: Cluster
+    plan: ParallelPlan
+    train: TrainSettings
+
+    def __post_init__(self) -> None:
+        plan = self.plan.resolve(self.cluster.world_size)
+        train = self.train
+        if train.global_batch_size == 0:
+            # One micro-batch per data-parallel rank, times enough to fill the pipeline.
+            m = plan.pp * (2 if plan.pp > 1 else 1)
+            train = replace(train, global_batch_size=train.micro_batch_size * plan.dp * m)
+            object.__setattr__(self, "train", train)
+        object.__setattr__(self, "plan", plan.validate(self.model, self.cluster, train))
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.world_size
+
+    @property
+    def n_microbatches(self) -> int:
+        """Micro-batches each data-parallel rank runs per step (gradient accumulation or pipeline)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.plan.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch_size * self.train.seq_len
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.to_dict(),
+            "cluster": self.cluster.to_dict(),
+            "plan": self.plan.to_dict(),
+            "train": self.train.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+        missing = [k for k in ("model", "cluster", "plan", "train") if k not in data]
+        if missing:
+            raise ConfigError(f"run config is missing {', '.join(missing)}", field=missing[0])
+        return cls(
+            model=ModelSpec.from_dict(data["model"]),
+            cluster=Cluster.from_dict(data["cluster"]),
+            plan=ParallelPlan.from_dict(data["plan"]),
+            train=TrainSettings.from_dict(data["train"]),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunConfig":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"run config is not valid JSON ({e.msg} at line {e.lineno})", field="config") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str) -> "RunConfig":
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+
+def dtype_bytes(dtype: str) -> int:
+    return DTYPE_BYTES[dtype]

@@ -1,0 +1,348 @@
+"""What model: :class:`ModelSpec`, its presets, Hugging Face import, parameter and FLOP counts.
+
+A ModelSpec describes a decoder-only transformer: ``n_layers`` blocks of attention and an MLP
+(dense, or mixture-of-experts after the first ``first_k_dense_layers``), token embeddings, a final
+norm and an output projection (tied to the embeddings or not).
+
+Parameter counts are exact for the architectures covered (Llama, Mistral, Mixtral, Qwen2/Qwen3,
+GPT-3): they are what the bundled trainer allocates, and the presets are tested against the
+published totals (llama3-8b = 8,030,261,248 parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping
+
+from .errors import ConfigError, check_choice, check_int, require
+
+ACTIVATIONS = ("swiglu", "gelu")
+NORMS = ("rmsnorm", "layernorm")
+POSITIONS = ("rope", "learned")
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameters of one transformer block, split by how parallelism shards them.
+
+    ``attention`` and ``mlp`` are the projection matrices (and their column-parallel biases) that
+    tensor parallelism splits; ``replicated`` is what every TP rank keeps whole (norm weights,
+    row-parallel output biases, the router, a shared-expert gate); ``experts`` are the routed
+    experts that expert parallelism splits.
+    """
+
+    attention: int
+    mlp: int  # dense MLP, or the shared experts of an MoE block
+    experts: int  # routed experts of an MoE block (all of them)
+    replicated: int
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.mlp + self.experts + self.replicated
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer.
+
+    ``head_dim`` defaults to ``d_model // n_heads``. ``n_experts = 0`` is a dense model; otherwise
+    layers ``first_k_dense_layers ..`` are MoE layers with ``n_experts`` routed experts of hidden
+    size ``moe_d_ff``, ``top_k`` of them per token, plus ``n_shared_experts`` always-on experts of
+    hidden size ``shared_d_ff`` (default ``moe_d_ff``).
+    """
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None: = n_heads (multi-head attention)
+    head_dim: int | None = None  # None: d_model // n_heads
+    d_ff: int = 0  # hidden size of dense MLPs; 0: 4 * d_model (gelu) or 8/3 * d_model (swiglu)
+    vocab_size: int = 32000
+    tie_embeddings: bool = False
+    activation: str = "swiglu"
+    norm: str = "rmsnorm"
+    # mixture of experts
+    n_experts: int = 0
+    top_k: int = 0
+    n_shared_experts: int = 0
+    moe_d_ff: int = 0
+    first_k_dense_layers: int = 0
+    shared_d_ff: int | None = None
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate Linear(d_model, 1) on shared experts
+    # architecture details that change the parameter count
+    qkv_bias: bool = False  # Qwen2: bias on q, k, v projections
+    linear_bias: bool = False  # GPT-2/3: bias on every linear layer (and LayerNorm bias)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys
+    position: str = "rope"
+    max_seq_len: int = 8192  # table size for learned position embeddings; RoPE has no table
+    rope_theta: float = 500000.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        for f in ("n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size"):
+            check_int(f, getattr(self, f))
+        if self.head_dim is None:
+            require(
+                self.d_model % self.n_heads == 0,
+                f"n_heads={self.n_heads} does not divide d_model={self.d_model}; set head_dim explicitly",
+                field="n_heads",
+                value=self.n_heads,
+            )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        check_int("head_dim", self.head_dim)
+        require(
+            self.n_heads % self.n_kv_heads == 0,
+            f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads} (grouped-query attention "
+            "shares each KV head among n_heads / n_kv_heads query heads)",
+            field="n_kv_heads",
+            value=self.n_kv_heads,
+        )
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_choice("norm", self.norm, NORMS)
+        check_choice("position", self.position, POSITIONS)
+        if self.d_ff == 0:
+            default = 4 * self.d_model if self.activation == "gelu" else _round_up(8 * self.d_model // 3, 64)
+            object.__setattr__(self, "d_ff", default)
+        check_int("d_ff", self.d_ff)
+        check_int("n_experts", self.n_experts, minimum=0)
+        check_int("n_shared_experts", self.n_shared_experts, minimum=0)
+        check_int("first_k_dense_layers", self.first_k_dense_layers, minimum=0)
+        check_int("max_seq_len", self.max_seq_len)
+        if self.n_experts:
+            check_int("top_k", self.top_k)
+            require(
+                self.top_k <= self.n_experts,
+                f"top_k={self.top_k} exceeds n_experts={self.n_experts}",
+                field="top_k",
+                value=self.top_k,
+            )
+            if self.moe_d_ff == 0:
+                object.__setattr__(self, "moe_d_ff", self.d_ff)
+            check_int("moe_d_ff", self.moe_d_ff)
+            require(
+                self.first_k_dense_layers <= self.n_layers,
+                f"first_k_dense_layers={self.first_k_dense_layers} exceeds n_layers={self.n_layers}",
+                field="first_k_dense_layers",
+                value=self.first_k_dense_layers,
+            )
+            if self.n_shared_experts and self.shared_d_ff is None:
+                object.__setattr__(self, "shared_d_ff", self.moe_d_ff)
+        else:
+            require(
+                self.top_k == 0 and self.n_shared_experts == 0,
+                f"top_k={self.top_k} and n_shared_experts={self.n_shared_experts} need n_experts > 0 "
+                "(n_experts=0 is a dense model)",
+                field="n_experts",
+                value=self.n_experts,
+            )
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def presets() -> tuple[str, ...]:
+        return tuple(PRESETS)
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelSpec":
+        """A named architecture; ``ModelSpec.presets()`` lists them."""
+        if name not in PRESETS:
+            raise ConfigError(
+                f"model={name!r} is not a preset; presets: {', '.join(PRESETS)}", field="model", value=name
+            )
+        return replace(PRESETS[name], name=name)
+
+    @classmethod
+    def from_hf_config(cls, config: str | os.PathLike | Mapping[str, Any]) -> "ModelSpec":
+        """Read a Hugging Face ``config.json`` (a path, or the parsed dict)."""
+        from .hf import spec_from_hf_config
+
+        return spec_from_hf_config(config)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelSpec":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"model has unknown fields {unknown}; known: {sorted(known)}", field="model")
+        return cls(**dict(data))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelSpec":
+        return cls.from_dict(json.loads(text))
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.first_k_dense_layers if self.is_moe else 0
+
+    @property
+    def n_dense_layers(self) -> int:
+        return self.n_layers - self.n_moe_layers
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.is_moe and index >= self.first_k_dense_layers
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def _norm_params(self, width: int) -> int:
+        # RMSNorm: a weight; LayerNorm: weight and bias.
+        return width * (2 if self.norm == "layernorm" else 1)
+
+    def _mlp_params(self, hidden: int) -> tuple[int, int]:
+        """(column/row matrices + column biases, row-parallel output bias) of one MLP."""
+        d = self.d_model
+        if self.activation == "swiglu":  # w1 (gate), w3 (up): d -> hidden; w2 (down): hidden -> d
+            matrices, col_bias = 3 * d * hidden, 2 * hidden
+        else:  # fc: d -> hidden; proj: hidden -> d
+            matrices, col_bias = 2 * d * hidden, hidden
+        if self.linear_bias:
+            return matrices + col_bias, d
+        return matrices, 0
+
+    def layer_params(self, index: int) -> LayerParams:
+        """Parameters of block ``index``, split by how they are sharded."""
+        d = self.d_model
+        attention = d * self.q_dim + 2 * d * self.kv_dim + self.q_dim * d  # wq, wk, wv, wo
+        replicated = 2 * self._norm_params(d)  # attention norm, MLP norm
+        if self.qkv_bias or self.linear_bias:
+            attention += self.q_dim + 2 * self.kv_dim
+        if self.linear_bias:
+            replicated += d  # wo bias (row parallel: not split by TP)
+        if self.qk_norm:
+            replicated += 2 * self.head_dim
+        if not self.is_moe_layer(index):
+            mlp, bias = self._mlp_params(self.d_ff)
+            return LayerParams(attention, mlp, 0, replicated + bias)
+        expert, expert_bias = self._mlp_params(self.moe_d_ff)
+        experts = self.n_experts * (expert + expert_bias)
+        replicated += d * self.n_experts  # router
+        mlp = 0
+        if self.n_shared_experts:
+            shared, shared_bias = self._mlp_params(self.shared_d_ff or self.moe_d_ff)
+            mlp = self.n_shared_experts * shared
+            replicated += self.n_shared_experts * shared_bias
+            if self.shared_expert_gate:
+                replicated += d
+        return LayerParams(attention, mlp, experts, replicated)
+
+    @property
+    def embedding_params(self) -> int:
+        table = self.vocab_size * self.d_model
+        if self.position == "learned":
+            table += self.max_seq_len * self.d_model
+        return table
+
+    @property
+    def output_params(self) -> int:
+        """Final norm plus the output projection (0 for the projection when tied)."""
+        head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
+        return self._norm_params(self.d_model) + head
+
+    # ------------------------------------------------------------------ counts
+    def n_params(self) -> int:
+        """Every parameter the model stores."""
+        dense = self.layer_params(0).total * self.n_dense_layers if self.n_dense_layers else 0
+        moe = self.layer_params(self.n_layers - 1).total * self.n_moe_layers if self.n_moe_layers else 0
+        return dense + moe + self.embedding_params + self.output_params
+
+    def _active_layer_params(self, index: int) -> int:
+        p = self.layer_params(index)
+        if not p.experts:
+            return p.total
+        return p.total - p.experts + p.experts * self.top_k // self.n_experts
+
+    def n_active_params(self) -> int:
+        """Parameters one token passes through: all of a dense model; top_k of n_experts in MoE."""
+        dense = self._active_layer_params(0) * self.n_dense_layers if self.n_dense_layers else 0
+        moe = self._active_layer_params(self.n_layers - 1) * self.n_moe_layers if self.n_moe_layers else 0
+        return dense + moe + self.embedding_params + self.output_params
+
+    def n_matmul_params(self) -> int:
+        """Active parameters that cost FLOPs: the embedding and position tables are lookups, and a
+        tied output projection is a matmul all the same."""
+        tied_head = self.vocab_size * self.d_model if self.tie_embeddings else 0
+        return self.n_active_params() - self.embedding_params + tied_head
+
+    def attention_flops_per_token(self, seq_len: int, causal: bool = False) -> float:
+        """Forward + backward FLOPs of the score and value matmuls, per token: 12 * L * n_heads *
+        head_dim * seq_len (2 matmuls x 2 FLOP per MAC x 3 for forward + backward)."""
+        full = 12.0 * self.n_layers * self.q_dim * seq_len
+        return full / 2 if causal else full
+
+    def flops_per_token(self, seq_len: int, causal: bool = False) -> float:
+        """Training FLOPs per token (forward + backward), the PaLM / Megatron convention.
+
+        ``6 * N + 12 * L * n_heads * head_dim * seq_len``, with N = :meth:`n_matmul_params`
+        (active parameters, embedding lookups excluded, output projection included). The
+        attention term counts the full seq_len x seq_len score matrix although a causal mask
+        leaves half of it unused, as PaLM and Megatron do, so MFU figures are comparable with
+        published ones. ``causal=True`` halves the attention term instead (the work a
+        FlashAttention kernel really does). Recomputation is not counted: it is overhead, not
+        model FLOPs.
+        """
+        check_int("seq_len", seq_len)
+        return 6.0 * self.n_matmul_params() + self.attention_flops_per_token(seq_len, causal)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+# Architectures from their papers and Hugging Face configs.
+PRESETS: dict[str, ModelSpec] = {
+    # Llama 3 (Dubey et al. 2024, Table 3; meta-llama/Meta-Llama-3-*/config.json)
+    "llama3-8b": ModelSpec(
+        n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=128256
+    ),
+    "llama3-70b": ModelSpec(
+        n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672, vocab_size=128256
+    ),
+    "llama3-405b": ModelSpec(
+        n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8, d_ff=53248, vocab_size=128256
+    ),
+    # Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1/config.json): every layer MoE, 8 experts, top-2
+    "mixtral-8x7b": ModelSpec(
+        n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=32000,
+        n_experts=8, top_k=2, moe_d_ff=14336, rope_theta=1e6,
+    ),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B/config.json): 128 experts, top-8, QK-norm
+    "qwen3-30b-a3b": ModelSpec(
+        n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4, head_dim=128, d_ff=6144,
+        vocab_size=151936, n_experts=128, top_k=8, moe_d_ff=768, qk_norm=True, rope_theta=1e6,
+    ),
+    # GPT-3 175B (Brown et al. 2020, Table 2.1): GELU, LayerNorm, biases, learned positions, tied
+    "gpt3-175b": ModelSpec(
+        n_layers=96, d_model=12288, n_heads=96, d_ff=4 * 12288, vocab_size=50257,
+        tie_embeddings=True, activation="gelu", norm="layernorm", linear_bias=True,
+        position="learned", max_seq_len=2048,
+    ),
+    # The CPU trainer's models: byte-level vocabulary, dimensions small enough for 2 cores.
+    "tiny": ModelSpec(
+        n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256, max_seq_len=256,
+        rope_theta=10000.0,
+    ),
+    "tiny-moe": ModelSpec(
+        n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256, max_seq_len=256,
+        n_experts=4, top_k=2, n_shared_experts=1, moe_d_ff=64, first_k_dense_layers=1,
+        rope_theta=10000.0,
+    ),
+}

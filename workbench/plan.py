@@ -1,0 +1,436 @@
+"""Split how: :class:`ParallelPlan`, its validation, the rank <-> mesh mapping and placement.
+
+Mesh dimensions, outermost to innermost: ``pp, dp_replicate, dp_shard, cp, tp``. TP is innermost
+so that TP peers are neighbouring ranks and land inside one node. Expert parallelism borrows its
+ranks from ``dp_shard x cp`` (the innermost ``ep`` of them), as in torchtitan.
+
+:meth:`ParallelPlan.rank_coords` is the single mapping from a global rank to mesh coordinates:
+the planner draws it and the trainer builds its process groups from it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Mapping
+
+from .errors import ConfigError, check_choice, check_int, require
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+    from .config import TrainSettings
+    from .model import ModelSpec
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Composite groups: "dp" reduces gradients without CP, "dp_cp" with it; "dp_shard_cp" is the
+# FSDP sharding group (CP ranks hold different tokens of the same weights, so they shard too).
+GROUP_DIMS = MESH_DIMS + ("ep", "dp", "dp_shard_cp", "dp_cp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev")
+# Schedules that give each rank several stages (virtual_stages > 1) and those that need exactly 2
+# (the V-shape: rank r holds stages r and 2p-1-r).
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Degrees of each parallelism and how they are run.
+
+    ``dp_shard=-1`` takes every rank the other degrees leave. ``zero_stage`` applies to the
+    ``dp_shard x cp`` group: 1 shards optimizer states (and master weights), 2 also gradients,
+    3 also parameters (FSDP full sharding). ``virtual_stages`` is the number of pipeline stages
+    each rank holds (interleaved and V schedules).
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 3
+    sequence_parallel: bool = True
+    loss_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    # Layers per pipeline stage (pp * virtual_stages entries) when not split evenly, e.g. from a
+    # profiling run ("balanced stages"). None: split by layer count.
+    stage_layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("dp_replicate", "tp", "pp", "cp", "ep", "virtual_stages"):
+            check_int(f, getattr(self, f))
+        if self.dp_shard != -1:
+            check_int("dp_shard", self.dp_shard)
+        check_choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
+        check_choice("pp_schedule", self.pp_schedule, SCHEDULES)
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", tuple(int(x) for x in self.stage_layers))
+
+    # ------------------------------------------------------------------ parsing and JSON
+    @classmethod
+    def parse(cls, text: str, **defaults: Any) -> "ParallelPlan":
+        """``"dp_shard=2,tp=2,pp_schedule=gpipe"`` -> ParallelPlan (``dp`` is an alias of dp_shard)."""
+        kw: dict[str, Any] = dict(defaults)
+        names = {f.name: f for f in fields(cls)}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            if "=" not in part:
+                raise ConfigError(f"plan item {part!r} is not of the form name=value", field="plan", value=text)
+            key, value = (s.strip() for s in part.split("=", 1))
+            key = {"dp": "dp_shard", "schedule": "pp_schedule", "v": "virtual_stages", "zero": "zero_stage"}.get(key, key)
+            if key not in names or key == "stage_layers":
+                raise ConfigError(
+                    f"plan has no field {key!r}; fields: {', '.join(n for n in names if n != 'stage_layers')}",
+                    field="plan",
+                    value=key,
+                )
+            if key in ("sequence_parallel", "loss_parallel"):
+                kw[key] = value.lower() in ("1", "true", "yes", "on")
+            elif key == "pp_schedule":
+                kw[key] = value
+            else:
+                try:
+                    kw[key] = int(value)
+                except ValueError:
+                    raise ConfigError(f"{key}={value!r} must be an integer", field=key, value=value) from None
+        return cls(**kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stage_layers"] = list(self.stage_layers) if self.stage_layers is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ParallelPlan":
+        d = dict(data)
+        if d.get("stage_layers") is not None:
+            d["stage_layers"] = tuple(d["stage_layers"])
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def describe(self) -> str:
+        """Short label: ``"tp=8,pp=4,dp_shard=2 1f1b zero3"``."""
+        parts = [f"{d}={getattr(self, d)}" for d in ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate") if getattr(self, d) != 1]
+        label = ",".join(parts) or "single"
+        if self.pp > 1:
+            label += f" {self.pp_schedule}" + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return label + f" zero{self.zero_stage}"
+
+    # ------------------------------------------------------------------ degrees
+    @property
+    def world_size(self) -> int:
+        require(self.dp_shard > 0, "dp_shard=-1 is unresolved; call resolve(world_size) first", field="dp_shard")
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the number of distinct micro-batches per step."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard_degree(self) -> int:
+        """ZeRO/FSDP sharding degree of dense weights (dp_shard x cp)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def degree(self, dim: str) -> int:
+        if dim in MESH_DIMS or dim == "ep":
+            return getattr(self, dim)
+        if dim == "dp":
+            return self.dp
+        if dim == "dp_shard_cp":
+            return self.dp_shard * self.cp
+        if dim == "dp_cp":
+            return self.dp * self.cp
+        raise ConfigError(f"dim={dim!r} is not one of {', '.join(GROUP_DIMS)}", field="dim", value=dim)
+
+    def resolve(self, world_size: int) -> "ParallelPlan":
+        """Fill ``dp_shard=-1`` from the world size and check that the degrees multiply to it."""
+        check_int("world_size", world_size)
+        others = self.pp * self.dp_replicate * self.cp * self.tp
+        if self.dp_shard == -1:
+            require(
+                world_size % others == 0,
+                f"world size {world_size} is not divisible by pp x dp_replicate x cp x tp = "
+                f"{self.pp} x {self.dp_replicate} x {self.cp} x {self.tp} = {others}",
+                field="dp_shard",
+                value=-1,
+            )
+            return replace(self, dp_shard=world_size // others)
+        product = others * self.dp_shard
+        require(
+            product == world_size,
+            f"pp x dp_replicate x dp_shard x cp x tp = {self.pp} x {self.dp_replicate} x {self.dp_shard} x "
+            f"{self.cp} x {self.tp} = {product} differs from the world size {world_size}",
+            field="dp_shard",
+            value=self.dp_shard,
+        )
+        return self
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, model: "ModelSpec", cluster: "Cluster", train: "TrainSettings") -> "ParallelPlan":
+        """Check the plan against the model, the cluster and the training settings; return it
+        with ``dp_shard`` resolved. Raises :class:`ConfigError` whose message spells out the rule."""
+        plan = self.resolve(cluster.world_size)
+        t = plan.tp
+        require(model.n_heads % t == 0, f"tp={t} does not divide n_heads={model.n_heads}", field="tp", value=t)
+        require(
+            model.n_kv_heads % t == 0,
+            f"tp={t} does not divide n_kv_heads={model.n_kv_heads} (KV heads are split across TP ranks, "
+            f"not replicated; use a tp that divides {model.n_kv_heads})",
+            field="tp",
+            value=t,
+        )
+        stages = plan.n_stages
+        require(
+            stages <= model.n_layers,
+            f"pp x virtual_stages = {plan.pp} x {plan.virtual_stages} = {stages} exceeds n_layers={model.n_layers}",
+            field="pp",
+            value=plan.pp,
+        )
+        if plan.pp == 1:
+            require(
+                plan.virtual_stages == 1,
+                f"virtual_stages={plan.virtual_stages} needs pp > 1",
+                field="virtual_stages",
+                value=plan.virtual_stages,
+            )
+        else:
+            _validate_schedule(plan, train)
+        if plan.stage_layers is not None:
+            require(
+                len(plan.stage_layers) == stages and sum(plan.stage_layers) == model.n_layers
+                and min(plan.stage_layers) >= 1,
+                f"stage_layers={list(plan.stage_layers)} must give {stages} stages of >= 1 layer summing to "
+                f"n_layers={model.n_layers}",
+                field="stage_layers",
+                value=plan.stage_layers,
+            )
+        s = train.seq_len
+        if plan.cp > 1:
+            require(
+                s % (2 * plan.cp) == 0,
+                f"seq_len={s} is not divisible by 2 x cp = {2 * plan.cp} (load-balanced context parallel "
+                "gives each CP rank two chunks)",
+                field="cp",
+                value=plan.cp,
+            )
+        if t > 1 and plan.sequence_parallel:
+            local = s // plan.cp
+            require(
+                local % t == 0,
+                f"seq_len / cp = {s} / {plan.cp} = {local} is not divisible by tp={t} (sequence parallel "
+                "splits each rank's tokens across TP ranks)",
+                field="tp",
+                value=t,
+            )
+        if plan.ep > 1:
+            require(model.is_moe, f"ep={plan.ep} needs an MoE model (n_experts=0)", field="ep", value=plan.ep)
+            borrow = plan.dp_shard * plan.cp
+            require(
+                borrow % plan.ep == 0,
+                f"ep={plan.ep} does not divide dp_shard x cp = {plan.dp_shard} x {plan.cp} = {borrow} "
+                "(expert parallelism borrows its ranks from them)",
+                field="ep",
+                value=plan.ep,
+            )
+            require(
+                model.n_experts % plan.ep == 0,
+                f"ep={plan.ep} does not divide n_experts={model.n_experts}",
+                field="ep",
+                value=plan.ep,
+            )
+        if plan.loss_parallel:
+            require(t > 1, "loss_parallel needs tp > 1", field="loss_parallel", value=True)
+            require(model.vocab_size % t == 0, f"tp={t} does not divide vocab_size={model.vocab_size}", field="tp", value=t)
+        mb = train.micro_batch_size * plan.dp
+        require(
+            train.global_batch_size % mb == 0,  # 0: resolved later by RunConfig
+            f"global_batch_size={train.global_batch_size} is not divisible by micro_batch_size x dp = "
+            f"{train.micro_batch_size} x {plan.dp} = {mb}",
+            field="global_batch_size",
+            value=train.global_batch_size,
+        )
+        return plan
+
+    # ------------------------------------------------------------------ the mesh
+    def strides(self) -> dict[str, int]:
+        """Global-rank stride of each mesh dimension (tp innermost)."""
+        out: dict[str, int] = {}
+        stride = 1
+        for dim in reversed(MESH_DIMS):
+            out[dim] = stride
+            stride *= getattr(self, dim)
+        return out
+
+    def rank_coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a global rank: ``pp, dp_replicate, dp_shard, cp, tp`` and ``ep``
+        (the rank's index inside its expert-parallel group)."""
+        world = self.world_size
+        require(0 <= rank < world, f"rank={rank} is outside the world size {world}", field="rank", value=rank)
+        coords: dict[str, int] = {}
+        rest = rank
+        for dim in reversed(MESH_DIMS):
+            n = getattr(self, dim)
+            coords[dim] = rest % n
+            rest //= n
+        ordered = {d: coords[d] for d in MESH_DIMS}
+        ordered["ep"] = (coords["dp_shard"] * self.cp + coords["cp"]) % self.ep
+        return ordered
+
+    def coords_rank(self, coords: Mapping[str, int]) -> int:
+        """Inverse of :meth:`rank_coords` (``ep`` is ignored: it is derived)."""
+        st = self.strides()
+        return sum(coords.get(d, 0) * st[d] for d in MESH_DIMS)
+
+    def group_ranks(self, dim: str) -> list[list[int]]:
+        """Every process group of ``dim``: lists of global ranks, each sorted."""
+        return [list(g) for g in _group_ranks(self, dim)]
+
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        """The DeviceMesh the trainer builds: (name, size) for every degree > 1, outermost first."""
+        return tuple((d, getattr(self, d)) for d in MESH_DIMS if getattr(self, d) > 1)
+
+    # ------------------------------------------------------------------ pipeline stages
+    def stage_layer_counts(self, n_layers: int) -> tuple[int, ...]:
+        """Layers of each pipeline stage (pp * virtual_stages of them)."""
+        if self.stage_layers is not None:
+            return self.stage_layers
+        return split_layers(n_layers, self.n_stages)
+
+    def stages_of_rank(self, pp_rank: int) -> tuple[int, ...]:
+        """Stage indices a pipeline rank holds: looped (r, r+p, ...) or V-shaped (r, 2p-1-r)."""
+        p, v = self.pp, self.virtual_stages
+        if self.pp_schedule in V_SCHEDULES and v == 2:
+            return (pp_rank, 2 * p - 1 - pp_rank)
+        return tuple(pp_rank + i * p for i in range(v))
+
+    # ------------------------------------------------------------------ placement
+    def placement(self, cluster: "Cluster") -> "Placement":
+        """Where each rank runs and which link tier each group dimension's traffic crosses."""
+        plan = self.resolve(cluster.world_size)
+        tiers = {dim: group_tier(plan, dim, cluster) for dim in GROUP_DIMS if plan.degree(dim) > 1}
+        warnings = []
+        link_names = {"intra_node": "NVLink" if "nvlink" in cluster.intra_node.name else cluster.intra_node.name,
+                      "inter_node": "the network", "inter_leaf": "the spine"}
+        fast = cluster.intra_node
+        for dim, why in (("tp", "all-reduces"), ("cp", "ring K/V exchanges"), ("ep", "all-to-alls")):
+            tier = tiers.get(dim)
+            if tier and tier != "intra_node":
+                n = plan.degree(dim)
+                span = _nodes_spanned(plan, dim, cluster)
+                slow = cluster.link(tier)
+                warnings.append(
+                    f"{dim}={n} spans {span} nodes: its {why} cross {link_names[tier]} at "
+                    f"{slow.bandwidth_bytes_per_s / 1e9:.0f} GB/s per GPU instead of "
+                    f"{link_names['intra_node']} at {fast.bandwidth_bytes_per_s / 1e9:.0f} GB/s"
+                )
+        return Placement(plan=plan, gpus_per_node=cluster.gpus_per_node, tiers=tiers, warnings=tuple(warnings))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Ranks on the machines: ``node_of(rank)``, ``gpu_of(rank)``, the tier of each group dimension."""
+
+    plan: ParallelPlan
+    gpus_per_node: int
+    tiers: Mapping[str, str]
+    warnings: tuple[str, ...]
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def gpu_of(self, rank: int) -> int:
+        return rank % self.gpus_per_node
+
+
+def split_layers(n_layers: int, n_stages: int) -> tuple[int, ...]:
+    """Split layers evenly; the remainder goes to stages 1.. (stage 0 already holds the embedding
+    and the most in-flight micro-batches)."""
+    check_int("n_stages", n_stages)
+    base, rem = divmod(n_layers, n_stages)
+    counts = [base] * n_stages
+    order = list(range(1, n_stages)) + [0]
+    for i in range(rem):
+        counts[order[i % n_stages]] += 1
+    return tuple(counts)
+
+
+def _validate_schedule(plan: ParallelPlan, train: "TrainSettings") -> None:
+    """Micro-batch and virtual-stage rules of each schedule, as torch.distributed.pipelining has them."""
+    name, v, p = plan.pp_schedule, plan.virtual_stages, plan.pp
+    m = train.global_batch_size // (train.micro_batch_size * plan.dp) if plan.dp_shard > 0 else 0
+    if name in ("gpipe", "1f1b"):
+        require(v == 1, f"pp_schedule={name} runs one stage per rank; virtual_stages={v} needs an interleaved schedule",
+                field="virtual_stages", value=v)
+    elif name in V_SCHEDULES:
+        require(v == 2, f"pp_schedule={name} places exactly 2 stages per rank in a V; virtual_stages={v} must be 2",
+                field="virtual_stages", value=v)
+    else:
+        require(v >= 2, f"pp_schedule={name} needs virtual_stages >= 2 (got {v})", field="virtual_stages", value=v)
+    if name != "gpipe" and train.global_batch_size:
+        require(
+            m >= p,
+            f"pp_schedule={name} needs n_microbatches >= pp: global_batch_size / (micro_batch_size x dp) = "
+            f"{train.global_batch_size} / ({train.micro_batch_size} x {plan.dp}) = {m} < pp={p}",
+            field="global_batch_size",
+            value=train.global_batch_size,
+        )
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_ranks(plan: ParallelPlan, dim: str) -> tuple[tuple[int, ...], ...]:
+    world = plan.world_size
+    if dim == "ep":
+        key_of = lambda c: (c["pp"], c["dp_replicate"], (c["dp_shard"] * plan.cp + c["cp"]) // plan.ep, c["tp"])  # noqa: E731
+    else:
+        members = {
+            "dp": ("dp_replicate", "dp_shard"),
+            "dp_shard_cp": ("dp_shard", "cp"),
+            "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+        }.get(dim, (dim,))
+        if dim not in GROUP_DIMS:
+            raise ConfigError(f"dim={dim!r} is not one of {', '.join(GROUP_DIMS)}", field="dim", value=dim)
+        others = tuple(d for d in MESH_DIMS if d not in members)
+        key_of = lambda c: tuple(c[d] for d in others)  # noqa: E731
+    groups: dict[tuple, list[int]] = {}
+    for r in range(world):
+        groups.setdefault(key_of(plan.rank_coords(r)), []).append(r)
+    return tuple(tuple(g) for g in groups.values())
+
+
+@functools.lru_cache(maxsize=65536)
+def _tier_cached(plan: ParallelPlan, dim: str, gpus_per_node: int, nodes_per_leaf: int | None) -> str:
+    n = plan.degree(dim)
+    if n == 1:
+        return "intra_node"
+    if dim in MESH_DIMS:
+        # A group is {base + i * stride}: it stays in one node when its span fits an aligned block.
+        stride = plan.strides()[dim]
+        if gpus_per_node % (stride * n) == 0:
+            return "intra_node"
+        if stride % gpus_per_node == 0 and not nodes_per_leaf:
+            return "inter_node"
+    worst = "intra_node"
+    for g in _group_ranks(plan, dim):
+        nodes = {r // gpus_per_node for r in g}
+        if len(nodes) > 1:
+            if nodes_per_leaf and len({x // nodes_per_leaf for x in nodes}) > 1:
+                return "inter_leaf"
+            worst = "inter_node"
+    return worst
+
+
+def group_tier(plan: ParallelPlan, dim: str, cluster: "Cluster") -> str:
+    """The slowest link tier any group of ``dim`` crosses."""
+    return _tier_cached(plan, dim, cluster.gpus_per_node, cluster.nodes_per_leaf)
+
+
+def _nodes_spanned(plan: ParallelPlan, dim: str, cluster: "Cluster") -> int:
+    return max(len({r // cluster.gpus_per_node for r in g}) for g in _group_ranks(plan, dim))
