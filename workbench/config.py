@@ -162,7 +162,8 @@ class RunConfig:
     train: TrainSettings
 
     def __post_init__(self) -> None:
-        plan = self.plan.resolve(self.cluster.world_size)
+        # Validate once with the batch unresolved (model and degree rules), then resolve the batch.
+        plan = self.plan.validate(self.model, self.cluster, replace(self.train, global_batch_size=0))
         train = self.train
         if train.global_batch_size == 0:
             # One micro-batch per data-parallel rank, times enough to fill the pipeline.

@@ -203,7 +203,7 @@ class ModelSpec:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
-    def _norm_params(self, width: int) -> int:
+    def norm_params(self, width: int) -> int:
         # RMSNorm: a weight; LayerNorm: weight and bias.
         return width * (2 if self.norm == "layernorm" else 1)
 
@@ -222,7 +222,7 @@ class ModelSpec:
         """Parameters of block ``index``, split by how they are sharded."""
         d = self.d_model
         attention = d * self.q_dim + 2 * d * self.kv_dim + self.q_dim * d  # wq, wk, wv, wo
-        replicated = 2 * self._norm_params(d)  # attention norm, MLP norm
+        replicated = 2 * self.norm_params(d)  # attention norm, MLP norm
         if self.qkv_bias or self.linear_bias:
             attention += self.q_dim + 2 * self.kv_dim
         if self.linear_bias:
@@ -255,7 +255,7 @@ class ModelSpec:
     def output_params(self) -> int:
         """Final norm plus the output projection (0 for the projection when tied)."""
         head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
-        return self._norm_params(self.d_model) + head
+        return self.norm_params(self.d_model) + head
 
     # ------------------------------------------------------------------ counts
     def n_params(self) -> int:

@@ -177,8 +177,8 @@ class ParallelPlan:
     def validate(self, model: "ModelSpec", cluster: "Cluster", train: "TrainSettings") -> "ParallelPlan":
         """Check the plan against the model, the cluster and the training settings; return it
         with ``dp_shard`` resolved. Raises :class:`ConfigError` whose message spells out the rule."""
-        plan = self.resolve(cluster.world_size)
-        t = plan.tp
+        # Model divisibility first: "tp=3 does not divide n_heads=32" says more than a world-size mismatch.
+        t = self.tp
         require(model.n_heads % t == 0, f"tp={t} does not divide n_heads={model.n_heads}", field="tp", value=t)
         require(
             model.n_kv_heads % t == 0,
@@ -187,6 +187,15 @@ class ParallelPlan:
             field="tp",
             value=t,
         )
+        if self.ep > 1:
+            require(model.is_moe, f"ep={self.ep} needs an MoE model (n_experts=0)", field="ep", value=self.ep)
+            require(
+                model.n_experts % self.ep == 0,
+                f"ep={self.ep} does not divide n_experts={model.n_experts}",
+                field="ep",
+                value=self.ep,
+            )
+        plan = self.resolve(cluster.world_size)
         stages = plan.n_stages
         require(
             stages <= model.n_layers,
@@ -231,18 +240,11 @@ class ParallelPlan:
                 value=t,
             )
         if plan.ep > 1:
-            require(model.is_moe, f"ep={plan.ep} needs an MoE model (n_experts=0)", field="ep", value=plan.ep)
             borrow = plan.dp_shard * plan.cp
             require(
                 borrow % plan.ep == 0,
                 f"ep={plan.ep} does not divide dp_shard x cp = {plan.dp_shard} x {plan.cp} = {borrow} "
                 "(expert parallelism borrows its ranks from them)",
-                field="ep",
-                value=plan.ep,
-            )
-            require(
-                model.n_experts % plan.ep == 0,
-                f"ep={plan.ep} does not divide n_experts={model.n_experts}",
                 field="ep",
                 value=plan.ep,
             )

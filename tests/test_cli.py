@@ -1,0 +1,65 @@
+"""The `workbench` command: tables, JSON, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
+from workbench.cli import main
+from workbench.memory import estimate_memory
+
+REFERENCE = ["memory", "--model", "llama3-70b", "--gpu", "h100-80gb", "--gpus", "64", "--tp", "8", "--pp", "4",
+             "--seq", "8192", "--mbs", "1", "--recompute", "selective"]
+
+
+def test_memory_table_names_the_most_loaded_rank():
+    result = CliRunner().invoke(main, REFERENCE)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "Most loaded: rank 0 (pipeline rank 0 of 4" in out
+    for component in ("parameters", "gradients", "optimizer", "master_weights", "activations", "buffers", "overhead"):
+        assert component in out
+    assert "fits: headroom" in out
+
+
+def test_memory_json_equals_the_python_api():
+    result = CliRunner().invoke(main, REFERENCE + ["--json"])
+    assert result.exit_code == 0
+    data = json.loads(result.output)
+    cfg = RunConfig(
+        ModelSpec.preset("llama3-70b"), Cluster.preset("dgx-h100", nodes=8), ParallelPlan(tp=8, pp=4),
+        TrainSettings(seq_len=8192, recompute="selective").with_precision("bf16-megatron"),
+    )
+    assert data["bill"]["peak_bytes"] == estimate_memory(cfg).peak_bytes
+    assert RunConfig.from_dict(data["config"]) == cfg
+
+
+def test_hf_config_option(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256}))
+    result = CliRunner().invoke(main, ["memory", "--hf-config", str(path), "--gpus", "8", "--json"])
+    assert result.exit_code == 0
+    assert json.loads(result.output)["config"]["model"]["n_layers"] == 32
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "workbench.cli", *args], capture_output=True, text=True)
+
+
+def test_bad_input_is_one_line_and_exit_2():
+    for args, message in [
+        (["memory", "--model", "llama3-8b", "--tp", "3"], "error: tp=3 does not divide n_heads=32"),
+        (["memory", "--model", "llama3-9b"], "error: model='llama3-9b' is not a preset; presets: llama3-8b"),
+        (["memory", "--gpus", "12"], "error: gpus=12 is not a multiple of 8 GPUs per node"),
+        (["memory", "--model", "tiny", "--pp", "8"], "error: pp x virtual_stages = 8 x 1 = 8 exceeds n_layers=4"),
+        (["memory", "--seq", "-5"], "error: seq_len=-5 must be >= 1"),
+    ]:
+        proc = run_cli(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+        assert proc.stderr.startswith(message), proc.stderr
+        assert "Traceback" not in proc.stderr

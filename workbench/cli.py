@@ -1,0 +1,218 @@
+"""The ``workbench`` command.
+
+Every subcommand turns its options into the shared configuration objects and calls the one public
+function of the concept (``estimate_memory``, ...). Invalid input is a :class:`ConfigError`: the
+command prints its one-line message and exits with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable
+
+import click
+
+from .cluster import GPUS, Cluster
+from .config import PRECISIONS, RunConfig, TrainSettings
+from .errors import ConfigError
+from .model import ModelSpec
+from .plan import SCHEDULES, ParallelPlan
+
+GiB = float(1 << 30)
+# The cluster preset each GPU name comes in.
+GPU_CLUSTERS = {"h100-80gb": "dgx-h100", "h200-141gb": "dgx-h200", "a100-80gb": "dgx-a100",
+                "l40s-48gb": "pcie-l40s", "cpu": "local-cpu"}
+
+
+class WorkbenchGroup(click.Group):
+    """Turns configuration errors into one line on stderr and exit code 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ConfigError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=WorkbenchGroup)
+@click.version_option(package_name="workbench")
+def main() -> None:
+    """Plan, launch and watch distributed training of large models."""
+
+
+# ---------------------------------------------------------------------------- shared options
+def model_options(f: Callable) -> Callable:
+    f = click.option("--hf-config", type=click.Path(), default=None,
+                     help="A Hugging Face config.json instead of --model.")(f)
+    f = click.option("--model", default="llama3-8b", show_default=True,
+                     help=f"Model preset: {', '.join(ModelSpec.presets())}.")(f)
+    return f
+
+
+def cluster_options(f: Callable) -> Callable:
+    f = click.option("--nodes", type=int, default=None, help="Nodes (default: --gpus / GPUs per node, or 1).")(f)
+    f = click.option("--gpus", type=int, default=None, help="Total GPUs (default: nodes x GPUs per node).")(f)
+    f = click.option("--gpu", default=None, help=f"GPU: {', '.join(GPUS)} (picks its cluster preset).")(f)
+    f = click.option("--cluster", "cluster_name", default=None,
+                     help=f"Cluster preset ({', '.join(Cluster.presets())}) or a cluster JSON file.")(f)
+    return f
+
+
+def plan_options(f: Callable) -> Callable:
+    opts = [
+        click.option("--plan", "plan_text", default=None, help='Plan as "tp=8,pp=4,..." (overrides the degree options).'),
+        click.option("--tp", type=int, default=1, show_default=True),
+        click.option("--pp", type=int, default=1, show_default=True),
+        click.option("--cp", type=int, default=1, show_default=True),
+        click.option("--ep", type=int, default=1, show_default=True),
+        click.option("--dp-replicate", type=int, default=1, show_default=True),
+        click.option("--dp-shard", type=int, default=-1, show_default=True, help="-1: all remaining ranks."),
+        click.option("--zero", "zero_stage", type=int, default=3, show_default=True, help="ZeRO stage 0-3 over dp_shard x cp."),
+        click.option("--schedule", default="1f1b", show_default=True, help=f"Pipeline schedule: {', '.join(SCHEDULES)}."),
+        click.option("--virtual-stages", type=int, default=1, show_default=True),
+        click.option("--sp/--no-sp", "sequence_parallel", default=True, show_default=True, help="Sequence parallel with TP."),
+        click.option("--loss-parallel", is_flag=True, default=False),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def train_options(f: Callable) -> Callable:
+    opts = [
+        click.option("--seq", "seq_len", type=int, default=4096, show_default=True),
+        click.option("--mbs", "micro_batch_size", type=int, default=1, show_default=True),
+        click.option("--gbs", "global_batch_size", type=int, default=0,
+                     help="Global batch in sequences (default: 2 x pp micro-batches per DP rank)."),
+        click.option("--recompute", default="none", show_default=True, help="none | selective | full."),
+        click.option("--attention", default="flash", show_default=True, help="flash | eager."),
+        click.option("--precision", default="bf16-megatron", show_default=True, help=f"{', '.join(PRECISIONS)}."),
+        click.option("--optimizer", default="adamw", show_default=True, help="adamw | adam | sgd."),
+        click.option("--dropout", is_flag=True, default=False, help="Keep dropout masks (Korthikanti's accounting)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def build_model(model: str, hf_config: str | None) -> ModelSpec:
+    return ModelSpec.from_hf_config(hf_config) if hf_config else ModelSpec.preset(model)
+
+
+def build_cluster(cluster_name: str | None, gpu: str | None, gpus: int | None, nodes: int | None) -> Cluster:
+    if cluster_name and gpu:
+        raise ConfigError("give --cluster or --gpu, not both", field="gpu", value=gpu)
+    if cluster_name and cluster_name.endswith(".json"):
+        with open(cluster_name) as f:
+            base = Cluster.from_json(f.read())
+    else:
+        if gpu is not None and gpu not in GPU_CLUSTERS:
+            raise ConfigError(f"gpu={gpu!r} is not one of {', '.join(GPU_CLUSTERS)}", field="gpu", value=gpu)
+        name = cluster_name or GPU_CLUSTERS[gpu or "h100-80gb"]
+        base = Cluster.preset(name)
+    per_node = base.gpus_per_node
+    if gpus is not None:
+        if gpus < 1:
+            raise ConfigError(f"gpus={gpus} must be >= 1", field="gpus", value=gpus)
+        if nodes is not None and nodes * per_node != gpus and not (nodes == 1 and gpus < per_node):
+            raise ConfigError(f"gpus={gpus} differs from nodes x GPUs per node = {nodes} x {per_node}", field="gpus", value=gpus)
+        if gpus < per_node:
+            return Cluster(**{**base.__dict__, "nodes": 1, "gpus_per_node": gpus})
+        if gpus % per_node:
+            raise ConfigError(f"gpus={gpus} is not a multiple of {per_node} GPUs per node of {base.name}", field="gpus", value=gpus)
+        nodes = gpus // per_node
+    return Cluster(**{**base.__dict__, "nodes": nodes or 1})
+
+
+def build_plan(plan_text: str | None, **degrees: Any) -> ParallelPlan:
+    if plan_text:
+        return ParallelPlan.parse(plan_text, zero_stage=degrees["zero_stage"])
+    return ParallelPlan(
+        dp_replicate=degrees["dp_replicate"], dp_shard=degrees["dp_shard"], tp=degrees["tp"], pp=degrees["pp"],
+        cp=degrees["cp"], ep=degrees["ep"], zero_stage=degrees["zero_stage"], pp_schedule=degrees["schedule"],
+        virtual_stages=degrees["virtual_stages"], sequence_parallel=degrees["sequence_parallel"],
+        loss_parallel=degrees["loss_parallel"],
+    )
+
+
+def build_train(precision: str, **kw: Any) -> TrainSettings:
+    return TrainSettings(**kw).with_precision(precision)
+
+
+def _split(kw: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    return {n: kw.pop(n) for n in names}
+
+
+PLAN_KEYS = ("plan_text", "tp", "pp", "cp", "ep", "dp_replicate", "dp_shard", "zero_stage", "schedule",
+             "virtual_stages", "sequence_parallel", "loss_parallel")
+TRAIN_KEYS = ("seq_len", "micro_batch_size", "global_batch_size", "recompute", "attention", "precision",
+              "optimizer", "dropout")
+CLUSTER_KEYS = ("cluster_name", "gpu", "gpus", "nodes")
+
+
+def build_config(kw: dict[str, Any]) -> RunConfig:
+    model = build_model(kw.pop("model"), kw.pop("hf_config"))
+    cluster = build_cluster(**_split(kw, CLUSTER_KEYS))
+    plan = build_plan(**_split(kw, PLAN_KEYS))
+    train = build_train(**_split(kw, TRAIN_KEYS))
+    return RunConfig(model=model, cluster=cluster, plan=plan, train=train)
+
+
+# ---------------------------------------------------------------------------- memory
+@main.command()
+@model_options
+@cluster_options
+@plan_options
+@train_options
+@click.option("--json", "as_json", is_flag=True, help="Print the bill as JSON.")
+def memory(as_json: bool, **kw: Any) -> None:
+    """Print the memory bill of the most loaded GPU."""
+    from .memory import estimate_memory
+
+    config = build_config(kw)
+    bill = estimate_memory(config)
+    if as_json:
+        click.echo(json.dumps({"config": config.to_dict(), "bill": bill.to_dict()}, indent=2))
+        return
+    click.echo(format_bill(config, bill))
+
+
+def describe_config(config: RunConfig) -> list[str]:
+    c, t, m = config.cluster, config.train, config.model
+    name = m.name or "custom model"
+    return [
+        f"{name} ({m.n_params() / 1e9:.2f}B parameters) on {c.world_size} x {c.gpu.name} "
+        f"({c.nodes} node{'s' if c.nodes > 1 else ''} x {c.gpus_per_node}), plan {config.plan.describe()}",
+        f"seq {t.seq_len}, micro-batch {t.micro_batch_size}, global batch {t.global_batch_size} "
+        f"({config.n_microbatches} micro-batches per DP rank), recompute {t.recompute}, "
+        f"attention {t.attention}, precision {t.precision or 'custom'}",
+    ]
+
+
+def format_bill(config: RunConfig, bill: Any) -> str:
+    worst = next(r for r in bill.per_stage if r.rank == bill.most_loaded_rank)
+    lines = describe_config(config)
+    lines.append(
+        f"Most loaded: rank {worst.rank} (pipeline rank {worst.pp_rank} of {config.plan.pp}, "
+        f"stages {', '.join(map(str, worst.stages))}, micro-batches in flight {', '.join(map(str, worst.in_flight))})"
+    )
+    lines.append("")
+    lines.append(f"{'component':<16}{'GiB':>10}")
+    for name, value in worst.components.items():
+        lines.append(f"{name:<16}{value / GiB:>10.2f}")
+    lines.append(f"{'total':<16}{worst.total_bytes / GiB:>10.2f}")
+    fit = bill.fits()
+    lines.append(f"{'HBM':<16}{fit.hbm_bytes / GiB:>10.2f}")
+    verdict = "fits" if fit.fits else "DOES NOT FIT"
+    lines.append(f"{verdict}: headroom {fit.headroom_bytes / GiB:.2f} GiB ({fit.headroom_fraction:.1%} of HBM)")
+    if config.plan.pp > 1:
+        lines.append("")
+        lines.append("per pipeline rank: " + ", ".join(
+            f"pp{r.pp_rank} {r.total_bytes / GiB:.1f} GiB" for r in bill.per_stage))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
