@@ -1,0 +1,317 @@
+"""Step time, throughput and MFU: ``predict_step(config) -> StepPrediction``.
+
+The model is physical, not fitted per row. One micro-batch on one pipeline stage costs
+
+* matmuls: 2 x tokens x (active matmul parameters / tp) FLOPs forward, twice that backward, at
+  ``peak x efficiency.matmul`` (a large bf16 GEMM reaches ~70-75% of an H100's dense peak);
+* attention scores and values: 4 x tokens x context x q_dim / tp FLOPs forward (a causal flash
+  kernel skips the masked half, so context = seq_len / 2; eager attention computes all of it),
+  2.5x that backward (FlashAttention-2's backward runs five matmuls to the forward's two), at
+  ``peak x efficiency.attention``;
+* element-wise work (norms, activations, residual adds, dropout, RoPE, the cross-entropy): bytes
+  moved through HBM at ``hbm_bandwidth x efficiency.memory``; forward ``(k_h d_model / sp +
+  k_ff hidden / tp) x e`` per token and layer, backward twice that.
+
+Recomputation adds the recomputed forward to the backward (selective: the attention core; full:
+the whole block). Communication comes from :mod:`workbench.comms`: exposed TP/SP, CP and EP
+collectives lengthen each stage's forward and backward; pipeline sends are the schedule's p2p
+time; FSDP and data-parallel collectives overlap compute and are exposed only where they outlast
+the compute they hide behind (plus the first all-gather and last reduce-scatter of a step, which
+nothing hides). The stages' forward/backward times go through :func:`workbench.schedule.simulate_schedule`,
+whose makespan includes the bubble. Then the optimizer step (memory bound) ends the step.
+
+MFU follows PaLM (Chowdhery et al. 2022, appendix B): model FLOPs per token ``6 N + 12 L h s``
+(:meth:`ModelSpec.flops_per_token`, full attention matrix counted) x tokens per step, divided by
+step time x GPUs x dense bf16 peak. Recomputation is not model FLOPs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .comms import step_collectives
+from .config import DTYPE_BYTES, RunConfig
+from .schedule import simulate_schedule
+
+# Dims whose collectives sit inside a stage's forward/backward, per micro-batch.
+_IN_STAGE_DIMS = ("tp", "cp", "ep")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achievable fractions of peak, documented defaults. A cluster calibration's measured
+    ``flops_per_s[dtype]`` replaces ``peak x matmul``.
+
+    matmul: large bf16 GEMMs in training reach 0.70-0.75 of dense peak on H100 and A100
+      (cuBLAS at the shapes of 2k-16k hidden sizes).
+    attention: FlashAttention-2 forward + backward reaches ~0.45-0.5 of peak on H100
+      (Dao 2023, Fig. 6-7: 335-338 TFLOP/s fwd+bwd causal at head dim 128).
+    memory: element-wise kernels reach ~0.7-0.8 of HBM bandwidth.
+    gemm_half_dim: the smallest GEMM dimension at which a GEMM runs at half the large-GEMM rate
+      (see :func:`_gemm_efficiency`).
+    launch_overhead_s_per_layer: kernel launches and synchronisation of one block's forward
+      (~20-30 kernels of a few microseconds each); backward pays it twice.
+    elementwise_bytes_per_hidden: bytes through HBM per d_model element per token per block in
+      forward, in compute-dtype units of 2 bytes: 32 = 16 reads/writes of the hidden state (two
+      norms in and out, two residual adds, bias adds, RoPE on q and k, layout copies for attention).
+    elementwise_bytes_per_ff: accesses per d_ff element (activation function in and out).
+    """
+
+    matmul: float = 0.75
+    attention: float = 0.45
+    memory: float = 0.75
+    elementwise_bytes_per_hidden: float = 32.0
+    elementwise_bytes_per_ff: float = 4.0
+    backward_attention_ratio: float = 2.5
+    gemm_half_dim: float = 128.0
+    launch_overhead_s_per_layer: float = 100e-6
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """One training step, predicted. ``breakdown`` adds up to ``step_time_s``."""
+
+    step_time_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    model_flops_per_s_per_gpu: float  # achieved "model" FLOP/s by the MFU convention
+    bubble_fraction: float  # share of the step the pipeline's busiest rank sits idle
+    breakdown: dict[str, float] = field(default_factory=dict)
+    stage_times_s: tuple[tuple[float, float], ...] = ()  # (forward, backward) per stage per micro-batch
+    critical_pp_rank: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "model_flops_per_s_per_gpu": self.model_flops_per_s_per_gpu,
+            "bubble_fraction": self.bubble_fraction,
+            "breakdown": dict(self.breakdown),
+            "stage_times_s": [list(t) for t in self.stage_times_s],
+            "critical_pp_rank": self.critical_pp_rank,
+        }
+
+
+@dataclass(frozen=True)
+class _StageCost:
+    forward_s: float
+    backward_s: float  # without recomputation
+    recompute_s: float  # added to backward
+
+
+def _matmul_rate(config: RunConfig, eff: Efficiency) -> float:
+    """Achieved FLOP/s of a large GEMM: measured if calibrated, else peak x efficiency.matmul."""
+    dtype = config.train.compute_dtype
+    measured = config.cluster.achieved_flops(dtype)
+    return measured if measured else config.cluster.gpu.peak_flops(dtype) * eff.matmul
+
+
+def _gemm_efficiency(dim: float, eff: Efficiency) -> float:
+    """Share of the large-GEMM rate a GEMM reaches when its smallest dimension is ``dim``: tiles
+    and waves are under-filled and operands are re-read more often as a dimension shrinks
+    (saturating in ``dim``; half the rate at ``dim = gemm_half_dim``)."""
+    return dim / (dim + eff.gemm_half_dim)
+
+
+def _layer_gemm_time(config: RunConfig, tokens: float, moe: bool, rate: float, eff: Efficiency) -> float:
+    """Forward seconds of the GEMMs of one block on one TP rank: each GEMM's FLOPs at the rate its
+    shape allows (M = tokens, K and N split by TP)."""
+    model, t = config.model, config.plan.tp
+    h = model.d_model
+    gemms: list[tuple[float, float, float]] = [  # (M, K, N)
+        (tokens, h, (model.q_dim + 2 * model.kv_dim) / t),  # fused QKV
+        (tokens, model.q_dim / t, h),  # output projection
+    ]
+    n_mats = 2 if model.activation == "swiglu" else 1  # gate and up, or fc
+    if moe and model.is_moe:
+        per_expert = tokens * model.top_k / model.n_experts  # tokens an expert sees (balanced router)
+        gemms.append((tokens, h, model.n_experts))  # router
+        for _ in range(model.n_experts):
+            gemms += [(per_expert, h, n_mats * model.moe_d_ff / t), (per_expert, model.moe_d_ff / t, h)]
+        if model.n_shared_experts:
+            f = model.n_shared_experts * (model.shared_d_ff or model.moe_d_ff)
+            gemms += [(tokens, h, n_mats * f / t), (tokens, f / t, h)]
+    else:
+        gemms += [(tokens, h, n_mats * model.d_ff / t), (tokens, model.d_ff / t, h)]
+    return sum(2 * mm * k * n / (rate * _gemm_efficiency(min(mm, k, n), eff)) for mm, k, n in gemms)
+
+
+def _stage_cost(config: RunConfig, first_layer: int, n_layers: int, first: bool, last: bool, eff: Efficiency) -> _StageCost:
+    model, plan, train = config.model, config.plan, config.train
+    t = plan.tp
+    sp = t if (plan.sequence_parallel and t > 1) else 1
+    e = DTYPE_BYTES[train.compute_dtype]
+    tokens = train.micro_batch_size * train.seq_len / plan.cp
+    rate = _matmul_rate(config, eff)
+    attn_rate = rate / eff.matmul * eff.attention
+    hbm = config.cluster.gpu.hbm_bandwidth_bytes_per_s * eff.memory or 1e12
+
+    n_moe = 0
+    if model.is_moe:
+        n_moe = max(0, first_layer + n_layers - max(first_layer, model.first_k_dense_layers))
+    n_dense = n_layers - n_moe
+    mm_time = 0.0
+    if n_dense:
+        mm_time += n_dense * _layer_gemm_time(config, tokens, False, rate, eff)
+    if n_moe:
+        mm_time += n_moe * _layer_gemm_time(config, tokens, True, rate, eff)
+    heads = model.n_heads / t
+    hidden_dense = model.d_ff
+    hidden_moe = model.top_k * model.moe_d_ff + model.n_shared_experts * (model.shared_d_ff or 0)
+    elem_fwd = tokens * e * (
+        n_layers * eff.elementwise_bytes_per_hidden * model.d_model / sp
+        + eff.elementwise_bytes_per_ff * (n_dense * hidden_dense + n_moe * hidden_moe) / t
+    )
+    if train.dropout:
+        elem_fwd += tokens * n_layers * 2 * (e + 1) * model.d_model / sp  # two dropouts: mask and output
+    if train.attention == "flash":
+        # a causal flash kernel skips the masked half of the score matrix
+        attn_fwd = 4 * tokens * (train.seq_len / 2) * model.q_dim / t * n_layers
+    else:
+        # eager: batched GEMMs over the whole s x s matrix (the mask is applied after), and the
+        # scores go through HBM: written, read and written by the softmax, read by the value
+        # GEMM (4 passes; 7 with dropout's mask and output)
+        attn_fwd = 4 * tokens * train.seq_len * model.q_dim / t * n_layers
+        passes = 7 if train.dropout else 4
+        elem_fwd += tokens * train.seq_len * heads * n_layers * passes * e
+    if last:
+        mm_time += 2 * tokens * model.d_model * model.vocab_size / t / (
+            rate * _gemm_efficiency(min(tokens, model.d_model, model.vocab_size / t), eff))
+        # cross-entropy on fp32 logits: read logits, write log-probs, read them back (4 bytes each)
+        elem_fwd += tokens * 4 * 3 * model.vocab_size / (t if plan.loss_parallel else 1)
+    if first:
+        elem_fwd += tokens * e * 2 * model.d_model / sp  # embedding gather
+    attn_time, elem_time = attn_fwd / attn_rate, elem_fwd / hbm
+    launch = eff.launch_overhead_s_per_layer * n_layers
+    forward = mm_time + attn_time + elem_time + launch
+    backward = 2 * mm_time + eff.backward_attention_ratio * attn_time + 2 * elem_time + 2 * launch
+    if train.recompute == "full":
+        recompute = forward
+    elif train.recompute == "selective":
+        # the attention core (Korthikanti et al. 2022, section 5): scores, softmax, dropout
+        recompute = attn_time
+        if train.attention == "eager":
+            recompute += tokens * train.seq_len * heads * n_layers * (7 if train.dropout else 4) * e / hbm
+    else:
+        recompute = 0.0
+    return _StageCost(forward, backward, recompute)
+
+
+def _optimizer_time(config: RunConfig, eff: Efficiency) -> float:
+    """Memory-bound update of the rank's shard: read and write parameters, master weights and
+    states, read gradients."""
+    from .memory import estimate_memory  # noqa: PLC0415 (lazy: keeps import graphs small)
+
+    bill = estimate_memory(config).components
+    touched = 2 * (bill["parameters"] + bill["master_weights"] + bill["optimizer"]) + bill["gradients"]
+    hbm = config.cluster.gpu.hbm_bandwidth_bytes_per_s * eff.memory or 1e12
+    return touched / hbm
+
+
+def predict_step(config: RunConfig, efficiency: Efficiency = DEFAULT_EFFICIENCY) -> StepPrediction:
+    """Predict one training step of ``config`` (see the module docstring for the model)."""
+    model, plan, train = config.model, config.plan, config.train
+    m = config.n_microbatches
+    counts = plan.stage_layer_counts(model.n_layers)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    n_stages = len(counts)
+    costs = [
+        _stage_cost(config, starts[s], counts[s], s == 0, s == n_stages - 1, efficiency) for s in range(n_stages)
+    ]
+
+    # Communication per pipeline rank.
+    stage_comm = [[0.0, 0.0] for _ in range(n_stages)]  # exposed in-stage comm per micro-batch
+    outer_exposed: list[dict[str, float]] = []  # per pp rank: exposed comm outside the pipeline, by dim
+    in_stage_by_dim: list[dict[str, float]] = []
+    p2p = 0.0
+    for r in range(plan.pp):
+        stages = plan.stages_of_rank(r)
+        colls = step_collectives(config, pp_rank=r)
+        fwd_compute = m * sum(costs[s].forward_s for s in stages)
+        bwd_compute = m * sum(costs[s].backward_s + costs[s].recompute_s for s in stages)
+        overlapped = {"forward": 0.0, "backward": 0.0}
+        outer: dict[str, float] = {}
+        inside: dict[str, float] = {}
+        for c in colls:
+            if c.pipeline:
+                p2p = max(p2p, c.time_s)
+                continue
+            if c.dim in _IN_STAGE_DIMS and c.phase in ("forward", "backward") and not c.overlapped:
+                share = c.total_time_s / (m * len(stages))
+                for s in stages:
+                    stage_comm[s][0 if c.phase == "forward" else 1] += share
+                inside[c.dim] = inside.get(c.dim, 0.0) + c.total_time_s
+            elif c.overlapped:
+                # the optimizer step's parameter all-gathers hide behind the next forward
+                overlapped["backward" if c.phase == "backward" else "forward"] += c.total_time_s
+                outer.setdefault(c.dim, 0.0)
+            else:
+                outer[c.dim] = outer.get(c.dim, 0.0) + c.total_time_s
+        # Overlapped traffic is exposed where it outlasts the compute it hides behind; charge it
+        # to the dims in proportion to their overlapped time.
+        for phase, compute in (("forward", fwd_compute), ("backward", bwd_compute)):
+            spill = max(0.0, overlapped[phase] - compute)
+            if spill > 0:
+                hides = [c for c in colls if c.overlapped and not c.pipeline
+                         and ("backward" if c.phase == "backward" else "forward") == phase]
+                total = sum(c.total_time_s for c in hides)
+                for c in hides:
+                        outer[c.dim] = outer.get(c.dim, 0.0) + spill * c.total_time_s / total
+        outer_exposed.append(outer)
+        in_stage_by_dim.append(inside)
+
+    stage_times = [
+        (costs[s].forward_s + stage_comm[s][0], costs[s].backward_s + costs[s].recompute_s + stage_comm[s][1])
+        for s in range(n_stages)
+    ]
+    if plan.pp > 1:
+        sim = simulate_schedule(plan.pp_schedule, plan.pp, m, plan.virtual_stages, stage_times=stage_times, p2p_time=p2p)
+        makespan = sim.step_time
+        busy = list(sim.busy_time)
+    else:
+        makespan = m * (stage_times[0][0] + stage_times[0][1])
+        busy = [makespan]
+    optimizer = _optimizer_time(config, efficiency)
+    totals = [makespan + sum(outer_exposed[r].values()) + optimizer for r in range(plan.pp)]
+    crit = max(range(plan.pp), key=lambda r: totals[r])
+    step = totals[crit]
+
+    stages = plan.stages_of_rank(crit)
+    compute = m * sum(costs[s].forward_s + costs[s].backward_s for s in stages)
+    recompute = m * sum(costs[s].recompute_s for s in stages)
+    breakdown = {"compute": compute, "recompute": recompute}
+    for dim, v in sorted(in_stage_by_dim[crit].items()):
+        breakdown[f"comm_{dim}"] = v
+    for dim, v in sorted(outer_exposed[crit].items()):
+        breakdown[f"comm_{dim}"] = breakdown.get(f"comm_{dim}", 0.0) + v
+    bubble = max(0.0, makespan - busy[crit])
+    # p2p waits are inside the makespan: the bubble absorbs them.
+    breakdown["bubble"] = bubble
+    breakdown["optimizer"] = optimizer
+    # Close the books exactly (floating-point residue of the in-stage shares goes to compute).
+    breakdown["compute"] += step - sum(breakdown.values())
+
+    tokens = config.tokens_per_step
+    world = config.world_size
+    model_flops = model.flops_per_token(train.seq_len) * tokens
+    peak = config.cluster.gpu.peak_flops("bf16" if train.compute_dtype in ("bf16", "fp16", "fp32") else train.compute_dtype)
+    if train.compute_dtype == "fp32":
+        peak = config.cluster.gpu.peak_flops("fp32")
+    mfu = model_flops / (step * world * peak)
+    return StepPrediction(
+        step_time_s=step,
+        tokens_per_s=tokens / step,
+        tokens_per_s_per_gpu=tokens / step / world,
+        mfu=mfu,
+        model_flops_per_s_per_gpu=model_flops / step / world,
+        bubble_fraction=bubble / step,
+        breakdown=breakdown,
+        stage_times_s=tuple(stage_times),
+        critical_pp_rank=crit,
+    )

@@ -1,0 +1,68 @@
+"""Published training measurements the planner is checked against (not tuned to row by row).
+
+Megatron-Core on H100 SXM 80 GB, bf16, GPT models (GELU, d_ff = 4h, multi-head attention),
+seq 4096, vocab 131072, 48-way data parallel; MFU = achieved TFLOP/s / 989.4. And Korthikanti et
+al. 2022 (Table 4 / section 6): a 22B GPT on 8 A100 with tp 8, sequence parallel and selective
+recompute, 1.10 s per iteration and 41.5% MFU (1.42 s with full recompute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cluster import Cluster
+from .config import RunConfig, TrainSettings
+from .model import ModelSpec
+from .plan import ParallelPlan
+
+
+@dataclass(frozen=True)
+class Measurement:
+    name: str
+    config: RunConfig
+    mfu: float | None = None
+    tflops_per_gpu: float | None = None
+    step_time_s: float | None = None
+
+
+def _gpt(layers: int, hidden: int, heads: int, vocab: int) -> ModelSpec:
+    return ModelSpec(
+        n_layers=layers, d_model=hidden, n_heads=heads, d_ff=4 * hidden, vocab_size=vocab,
+        activation="gelu", norm="layernorm", name=f"gpt-{layers}x{hidden}",
+    )
+
+
+def _h100_row(name: str, layers: int, hidden: int, heads: int, tp: int, pp: int, gpus: int, gbs: int,
+              tflops: float, mfu: float) -> Measurement:
+    model = _gpt(layers, hidden, heads, 131072)
+    cluster = Cluster.preset("dgx-h100", nodes=gpus // 8)
+    # Megatron-Core's distributed optimizer shards optimizer states over data parallel (ZeRO-1).
+    plan = ParallelPlan(tp=tp, pp=pp, zero_stage=1, sequence_parallel=tp > 1)
+    train = TrainSettings(seq_len=4096, micro_batch_size=1, global_batch_size=gbs).with_precision("bf16-megatron")
+    return Measurement(name, RunConfig(model, cluster, plan, train), mfu=mfu, tflops_per_gpu=tflops)
+
+
+MEGATRON_H100 = (
+    _h100_row("gpt-1.7b h100", 24, 2048, 16, 1, 1, 48, 192, 408.8, 0.41),
+    _h100_row("gpt-16b h100", 32, 6144, 48, 4, 1, 192, 192, 489.1, 0.49),
+    _h100_row("gpt-70b h100", 84, 8192, 64, 8, 2, 768, 384, 419.7, 0.42),
+)
+
+
+def _korthikanti(recompute: str, step_time_s: float, mfu: float | None) -> Measurement:
+    model = _gpt(48, 6144, 64, 51200)
+    cluster = Cluster.preset("dgx-a100", nodes=1)
+    plan = ParallelPlan(tp=8, dp_shard=1, zero_stage=0, sequence_parallel=True)
+    # 2022 Megatron: fused softmax (no flash attention) and dropout 0.1, as the paper's activation
+    # accounting assumes.
+    train = TrainSettings(seq_len=2048, micro_batch_size=4, global_batch_size=4, recompute=recompute,
+                          attention="eager", dropout=True).with_precision("bf16-megatron")
+    return Measurement(f"gpt-22b a100 {recompute}", RunConfig(model, cluster, plan, train), mfu=mfu, step_time_s=step_time_s)
+
+
+KORTHIKANTI_A100 = (
+    _korthikanti("selective", 1.10, 0.415),
+    _korthikanti("full", 1.42, None),
+)
+
+ALL = MEGATRON_H100 + KORTHIKANTI_A100
