@@ -63,3 +63,53 @@ def test_bad_input_is_one_line_and_exit_2():
         assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
         assert proc.stderr.startswith(message), proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_plan_command_prints_ranked_plans_and_baseline():
+    result = CliRunner().invoke(main, ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "2",
+                                       "--seq", "4096", "--gbs", "256", "--top", "3"])
+    assert result.exit_code == 0, result.output
+    assert "baseline: plain data parallel over 16 GPUs needs" in result.output
+    assert "#1 " in result.output and "#3 " in result.output and "#4 " not in result.output
+    assert "MFU" in result.output and "bubble" in result.output
+
+
+def test_plan_json_matches_the_advisor():
+    from workbench.advisor import advise
+
+    result = CliRunner().invoke(main, ["plan", "--model", "llama3-8b", "--nodes", "2", "--seq", "4096", "--gbs", "256",
+                                       "--top", "2", "--json"])
+    data = json.loads(result.output)
+    advice = advise(ModelSpec.preset("llama3-8b"), Cluster.preset("dgx-h100", nodes=2),
+                    TrainSettings(seq_len=4096, global_batch_size=256).with_precision("bf16-megatron"), top=2)
+    assert [c["plan"] for c in data["candidates"]] == [c.plan.to_dict() for c in advice]
+    assert data["baseline"]["fits"] is False
+
+
+def test_mesh_command_lays_ranks_on_nodes():
+    result = CliRunner().invoke(main, ["mesh", "--model", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "4",
+                                       "--plan", "tp=8,pp=4", "--seq", "8192", "--gbs", "32"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any(line.startswith("node 1: r8(pp1,tp0) r9(pp1,tp1)") for line in lines)
+    tp_row = next(line for line in lines if line.startswith("tp "))
+    assert "intra_node" in tp_row
+    pp_row = next(line for line in lines if line.startswith("pp "))
+    assert "inter_node" in pp_row
+
+
+def test_mesh_json_groups_equal_the_plan():
+    result = CliRunner().invoke(main, ["mesh", "--model", "llama3-70b", "--nodes", "4", "--plan", "tp=8,pp=2,dp=2",
+                                       "--json"])
+    data = json.loads(result.output)
+    plan = ParallelPlan(tp=8, pp=2, dp_shard=2)
+    assert data["groups"]["tp"]["ranks"] == plan.group_ranks("tp")
+    assert data["ranks"][13] == {"rank": 13, "node": 1, "gpu": 5, **plan.rank_coords(13)}
+
+
+def test_mesh_warns_about_tp_across_nodes():
+    result = CliRunner().invoke(main, ["mesh", "--model", "llama3-8b", "--nodes", "2", "--plan", "tp=8,dp=2",
+                                       "--cluster", "dgx-h100"])
+    assert "warning" not in result.output
+    proc = run_cli("mesh", "--model", "llama3-405b", "--nodes", "2", "--plan", "tp=16")
+    assert proc.returncode == 2 and "tp=16 does not divide n_kv_heads=8" in proc.stderr

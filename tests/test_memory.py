@@ -249,7 +249,8 @@ def valid_configs(draw):
     schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"])) if pp > 1 else "1f1b"
     v = 2 if schedule == "interleaved-1f1b" else 1
     assume(pp * v <= spec.n_layers)
-    m = draw(st.integers(max(pp, 1), 4 * pp))
+    # interleaved schedules run micro-batches in rounds of pp: keep m a multiple of pp
+    m = pp * draw(st.integers(1, 4)) if v > 1 else draw(st.integers(max(pp, 1), 4 * pp))
     train = TrainSettings(
         seq_len=seq, micro_batch_size=mbs, global_batch_size=m * mbs * dp_shard,
         recompute=draw(st.sampled_from(["none", "selective", "full"])),

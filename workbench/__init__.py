@@ -9,10 +9,23 @@ from .config import PRECISIONS, RunConfig, TrainSettings
 from .errors import ConfigError
 from .model import ModelSpec
 from .plan import ParallelPlan, Placement
+from .memory import MemoryBill, estimate_memory
+from .schedule import simulate_schedule
+from .perf import StepPrediction, predict_step
+from .advisor import PlanCandidate, advise
+from .cost import estimate_cost
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MemoryBill",
+    "PlanCandidate",
+    "StepPrediction",
+    "advise",
+    "estimate_cost",
+    "estimate_memory",
+    "predict_step",
+    "simulate_schedule",
     "Calibration",
     "Cluster",
     "ConfigError",

@@ -214,5 +214,121 @@ def format_bill(config: RunConfig, bill: Any) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- plan
+def _cluster_only_options(f: Callable) -> Callable:
+    f = click.option("--nodes", type=int, default=1, show_default=True)(f)
+    f = click.option("--cluster", "cluster_name", default="dgx-h100", show_default=True,
+                     help=f"Cluster preset ({', '.join(Cluster.presets())}) or a cluster JSON file.")(f)
+    return f
+
+
+def load_cluster(cluster_name: str, nodes: int) -> Cluster:
+    return build_cluster(cluster_name, None, None, nodes)
+
+
+@main.command()
+@model_options
+@_cluster_only_options
+@train_options
+@click.option("--top", type=int, default=5, show_default=True, help="How many plans to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plans as JSON.")
+def plan(model: str, hf_config: str | None, cluster_name: str, nodes: int, top: int, as_json: bool, **kw: Any) -> None:
+    """Search every valid plan and print the fastest that fit, explained."""
+    from .advisor import advise
+
+    spec = build_model(model, hf_config)
+    cluster = load_cluster(cluster_name, nodes)
+    train = build_train(**kw)
+    advice = advise(spec, cluster, train, top=top)
+    if as_json:
+        click.echo(json.dumps(advice_to_dict(advice), indent=2))
+        return
+    click.echo(f"{spec.name or 'model'} ({spec.n_params() / 1e9:.2f}B) on {cluster.world_size} x {cluster.gpu.name} "
+               f"({cluster.nodes} nodes x {cluster.gpus_per_node}), seq {train.seq_len}, global batch "
+               f"{train.global_batch_size or 'auto'}; searched {advice.stats['plans']} plans, "
+               f"{advice.stats['too_big']} did not fit, {advice.stats['predicted']} predicted")
+    b = advice.baseline
+    if b.fits:
+        click.echo(f"baseline, plain data parallel: step {b.prediction.step_time_s:.3f} s, MFU {b.prediction.mfu:.1%}")
+    else:
+        click.echo(f"baseline: {b.reason}")
+    if not advice:
+        raise ConfigError("no plan fits: try more nodes, a shorter sequence or a smaller model", field="plan")
+    for c in advice:
+        click.echo("")
+        click.echo(f"#{c.rank} {c.summary()}")
+        for line in c.explanation:
+            click.echo(f"    - {line}")
+
+
+def advice_to_dict(advice: Any) -> dict:
+    def cand(c: Any) -> dict:
+        return {"rank": c.rank, "plan": c.plan.to_dict(), "micro_batch_size": c.train.micro_batch_size,
+                "recompute": c.train.recompute, "memory": c.memory.to_dict(), "prediction": c.prediction.to_dict(),
+                "explanation": list(c.explanation)}
+    b = advice.baseline
+    return {
+        "candidates": [cand(c) for c in advice],
+        "baseline": {"fits": b.fits, "reason": b.reason,
+                     "prediction": b.prediction.to_dict() if b.prediction else None},
+        "stats": advice.stats,
+        "gain_over_baseline": advice.gain_over_baseline(),
+    }
+
+
+# ---------------------------------------------------------------------------- mesh
+@main.command()
+@model_options
+@_cluster_only_options
+@click.option("--plan", "plan_text", required=True, help='The plan, e.g. "tp=8,pp=4".')
+@train_options
+@click.option("--max-nodes", type=int, default=4, show_default=True, help="Nodes drawn in the rank grid.")
+@click.option("--json", "as_json", is_flag=True, help="Print the mesh as JSON.")
+def mesh(model: str, hf_config: str | None, cluster_name: str, nodes: int, plan_text: str, max_nodes: int,
+         as_json: bool, **kw: Any) -> None:
+    """Lay the plan's ranks out on the nodes; per group dimension its link tier and traffic."""
+    from .comms import traffic_by_dim
+
+    config = RunConfig(build_model(model, hf_config), load_cluster(cluster_name, nodes),
+                       ParallelPlan.parse(plan_text), build_train(**kw))
+    plan_, cluster = config.plan, config.cluster
+    placement = plan_.placement(cluster)
+    traffic = traffic_by_dim(config)
+    dims = [d for d, _ in plan_.mesh_dims()] + (["ep"] if plan_.ep > 1 else [])
+    if as_json:
+        click.echo(json.dumps({
+            "config": config.to_dict(),
+            "ranks": [{"rank": r, "node": placement.node_of(r), "gpu": placement.gpu_of(r), **plan_.rank_coords(r)}
+                      for r in range(config.world_size)],
+            "groups": {d: {"degree": plan_.degree(d), "tier": placement.tiers.get(d, "intra_node"),
+                           "ranks": plan_.group_ranks(d)} for d in dims},
+            "traffic": {d: t.__dict__ for d, t in traffic.items()},
+            "warnings": list(placement.warnings),
+        }, indent=2))
+        return
+    for line in describe_config(config):
+        click.echo(line)
+    click.echo("")
+    for node in range(min(cluster.nodes, max_nodes)):
+        cells = []
+        for gpu in range(cluster.gpus_per_node):
+            r = node * cluster.gpus_per_node + gpu
+            c = plan_.rank_coords(r)
+            cells.append(f"r{r}(" + ",".join(f"{_short(d)}{c[d]}" for d in dims) + ")")
+        click.echo(f"node {node}: " + " ".join(cells))
+    if cluster.nodes > max_nodes:
+        click.echo(f"... {cluster.nodes - max_nodes} more nodes")
+    click.echo("")
+    click.echo(f"{'group':<14}{'degree':>7}  {'link tier':<11}{'GB/step/rank':>13}{'time ms':>10}{'exposed ms':>12}")
+    for d, t in sorted(traffic.items(), key=lambda kv: -kv[1].bytes):
+        click.echo(f"{d:<14}{t.group_size:>7}  {t.tier:<11}{t.bytes / 1e9:>13.2f}{t.time_s * 1e3:>10.1f}{t.exposed_time_s * 1e3:>12.1f}")
+    for w in placement.warnings:
+        click.echo(f"warning: {w}")
+
+
+def _short(dim: str) -> str:
+    return {"pp": "pp", "dp_replicate": "dr", "dp_shard": "ds", "cp": "cp", "tp": "tp", "ep": "ep"}[dim]
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

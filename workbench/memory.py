@@ -29,13 +29,15 @@ the same) and expanded per global rank on demand.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .config import DTYPE_BYTES, RunConfig, TrainSettings
 from .model import ModelSpec
-from .plan import V_SCHEDULES, ParallelPlan
+from .plan import ParallelPlan
+from .schedule import in_flight_at_peak
 
 if TYPE_CHECKING:
     pass
@@ -164,6 +166,7 @@ class _StageParams:
     largest_unit: float  # TP-local parameters of the largest FSDP unit (a block, or embedding/output)
 
 
+@functools.lru_cache(maxsize=4096)
 def _layer_local_params(model: ModelSpec, index: int, tp: int, ep: int) -> tuple[float, float]:
     """(non-expert, expert) parameters of block ``index`` on one TP/EP rank."""
     p = model.layer_params(index)
@@ -287,33 +290,22 @@ def output_activation_bytes(model: ModelSpec, train: TrainSettings, plan: Parall
 
 
 def in_flight_microbatches(plan: ParallelPlan, n_microbatches: int, pp_rank: int) -> tuple[int, ...]:
-    """Micro-batches whose activations a pipeline rank holds at its peak, per stage it holds.
+    """Micro-batches whose activations a pipeline rank holds at its peak, per stage it holds
+    (stages ascending, as :meth:`ParallelPlan.stages_of_rank`).
 
-    GPipe: all m (every forward before any backward). 1F1B (PipeDream-Flush, Narayanan et al.
-    2021): p - r on rank r. Interleaved 1F1B (Megatron): (p - r - 1) * 2 + (v - 1) * p + 1
-    chunk-micro-batches, spread over the rank's v stages. Looped BFS: all m of every stage.
-    ZB-H1 (zero-bubble): as 1F1B. ZBV: as 1F1B over the V's two chunks. DualPipeV: one more
-    micro-batch than ZBV (DeepSeek-V3 report, Table 2: PP + 1).
+    Read off the schedule's own action order (:func:`workbench.schedule.in_flight_at_peak`, the
+    order torch.distributed.pipelining runs): GPipe holds all m; 1F1B (PipeDream-Flush) p - r on
+    rank r; interleaved 1F1B Megatron's (p - r - 1) * 2 + (v - 1) * p + 1 stage-micro-batches on
+    rank r; ZBV 2p on every rank.
     """
-    p, v, m, r = plan.pp, plan.virtual_stages, n_microbatches, pp_rank
-    if p == 1:
+    if plan.pp == 1:
         return (1,)
-    sched = plan.pp_schedule
-    if sched == "gpipe":
-        return (m,)
-    if sched == "1f1b":
-        return (min(p - r, m),)
-    if sched == "looped-bfs":
-        return (m,) * v
-    if sched in V_SCHEDULES:
-        extra = 1 if sched == "dualpipev" else 0
-        # first chunk (stage r) holds more than the second (stage 2p-1-r)
-        first = min(p - r + extra, m)
-        second = min(r + 1 + extra, m)
-        return (first, second)
-    chunks = min((p - r - 1) * 2 + (v - 1) * p + 1, m * v)
-    base, rem = divmod(chunks, v)
-    return tuple(base + (1 if i < rem else 0) for i in range(v))
+    if plan.pp_schedule in ("gpipe", "looped-bfs"):  # every forward before any backward
+        return (n_microbatches,) * plan.virtual_stages
+    # The other schedules bound what is in flight by the warm-up, which depends on p and v, not m:
+    # past 4p micro-batches (a multiple of p, valid for every schedule) the peak no longer grows.
+    m = min(n_microbatches, 4 * plan.pp)
+    return in_flight_at_peak(plan.pp_schedule, plan.pp, m, plan.virtual_stages)[pp_rank]
 
 
 # ---------------------------------------------------------------------------- the bill

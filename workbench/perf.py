@@ -27,10 +27,12 @@ step time x GPUs x dense bf16 peak. Recomputation is not model FLOPs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from .comms import step_collectives
 from .config import DTYPE_BYTES, RunConfig
+from .memory import MemoryBill, estimate_memory
 from .schedule import simulate_schedule
 
 # Dims whose collectives sit inside a stage's forward/backward, per micro-batch.
@@ -203,19 +205,54 @@ def _stage_cost(config: RunConfig, first_layer: int, n_layers: int, first: bool,
     return _StageCost(forward, backward, recompute)
 
 
-def _optimizer_time(config: RunConfig, eff: Efficiency) -> float:
+def _optimizer_time(config: RunConfig, eff: Efficiency, bill: "MemoryBill | None" = None) -> float:
     """Memory-bound update of the rank's shard: read and write parameters, master weights and
     states, read gradients."""
-    from .memory import estimate_memory  # noqa: PLC0415 (lazy: keeps import graphs small)
-
-    bill = estimate_memory(config).components
+    bill = (bill or estimate_memory(config)).components
     touched = 2 * (bill["parameters"] + bill["master_weights"] + bill["optimizer"]) + bill["gradients"]
     hbm = config.cluster.gpu.hbm_bandwidth_bytes_per_s * eff.memory or 1e12
     return touched / hbm
 
 
-def predict_step(config: RunConfig, efficiency: Efficiency = DEFAULT_EFFICIENCY) -> StepPrediction:
-    """Predict one training step of ``config`` (see the module docstring for the model)."""
+@functools.lru_cache(maxsize=8192)
+def unit_makespan(schedule: str, pp: int, n_microbatches: int, virtual_stages: int) -> float:
+    """Makespan of a schedule with equal stages (forward 1, backward 2 units), for any m.
+
+    Past the warm-up a schedule is periodic: every further round of pp micro-batches adds the same
+    time. So beyond m0 = 4 pp it is extrapolated from two simulations, m0 and m0 + pp, both
+    multiples of pp, which every schedule accepts: exact for the steady state, and O(pp^2 v) work
+    however many micro-batches a step has."""
+    m0 = 4 * pp
+    if n_microbatches <= m0 + pp:
+        return simulate_schedule(schedule, pp, n_microbatches, virtual_stages).step_time
+    a = simulate_schedule(schedule, pp, m0, virtual_stages).step_time
+    b = simulate_schedule(schedule, pp, m0 + pp, virtual_stages).step_time
+    return a + (b - a) / pp * (n_microbatches - m0)
+
+
+def _simulated_makespan(schedule: str, pp: int, m: int, v: int, stage_times: tuple, p2p: float) -> float:
+    """The event-driven simulation's makespan, extrapolated past m0 = 8 pp as in
+    :func:`unit_makespan` (the steady state repeats every pp micro-batches; with unequal stages
+    it settles later than with equal ones, hence 8 pp rather than 4 pp)."""
+    m0 = 8 * pp
+    if m <= m0 + pp:
+        return simulate_schedule(schedule, pp, m, v, stage_times=stage_times, p2p_time=p2p).step_time
+    a = simulate_schedule(schedule, pp, m0, v, stage_times=stage_times, p2p_time=p2p).step_time
+    b = simulate_schedule(schedule, pp, m0 + pp, v, stage_times=stage_times, p2p_time=p2p).step_time
+    return a + (b - a) / pp * (m - m0)
+
+
+def predict_step(
+    config: RunConfig,
+    efficiency: Efficiency = DEFAULT_EFFICIENCY,
+    memory: MemoryBill | None = None,
+    simulate: bool = True,
+) -> StepPrediction:
+    """Predict one training step of ``config`` (see the module docstring for the model).
+
+    ``memory``: the config's bill if already computed (the advisor has it). ``simulate=False``
+    replaces the event-driven pipeline simulation with the cached equal-stage simulation scaled to
+    the slowest stage (an upper bound, exact when stages are equal): the advisor screens with it."""
     model, plan, train = config.model, config.plan, config.train
     m = config.n_microbatches
     counts = plan.stage_layer_counts(model.n_layers)
@@ -230,9 +267,13 @@ def predict_step(config: RunConfig, efficiency: Efficiency = DEFAULT_EFFICIENCY)
     outer_exposed: list[dict[str, float]] = []  # per pp rank: exposed comm outside the pipeline, by dim
     in_stage_by_dim: list[dict[str, float]] = []
     p2p = 0.0
+    layouts: dict[tuple, list] = {}  # ranks whose stages look alike issue the same collectives
     for r in range(plan.pp):
         stages = plan.stages_of_rank(r)
-        colls = step_collectives(config, pp_rank=r)
+        key = tuple((counts[s], starts[s] if model.is_moe else 0, s == 0, s == n_stages - 1) for s in stages)
+        if key not in layouts:
+            layouts[key] = step_collectives(config, pp_rank=r)
+        colls = layouts[key]
         fwd_compute = m * sum(costs[s].forward_s for s in stages)
         bwd_compute = m * sum(costs[s].backward_s + costs[s].recompute_s for s in stages)
         overlapped = {"forward": 0.0, "backward": 0.0}
@@ -270,14 +311,18 @@ def predict_step(config: RunConfig, efficiency: Efficiency = DEFAULT_EFFICIENCY)
         (costs[s].forward_s + stage_comm[s][0], costs[s].backward_s + costs[s].recompute_s + stage_comm[s][1])
         for s in range(n_stages)
     ]
-    if plan.pp > 1:
-        sim = simulate_schedule(plan.pp_schedule, plan.pp, m, plan.virtual_stages, stage_times=stage_times, p2p_time=p2p)
-        makespan = sim.step_time
-        busy = list(sim.busy_time)
+    if plan.pp > 1 and simulate:
+        makespan = _simulated_makespan(plan.pp_schedule, plan.pp, m, plan.virtual_stages, tuple(stage_times), p2p)
+        busy = [m * sum(stage_times[s][0] + stage_times[s][1] for s in plan.stages_of_rank(r)) for r in range(plan.pp)]
+    elif plan.pp > 1:
+        slowest = max(f + b for f, b in stage_times)
+        makespan = unit_makespan(plan.pp_schedule, plan.pp, m, plan.virtual_stages) / 3 * slowest
+        makespan += 2 * (plan.pp - 1) * p2p
+        busy = [m * sum(stage_times[s][0] + stage_times[s][1] for s in plan.stages_of_rank(r)) for r in range(plan.pp)]
     else:
         makespan = m * (stage_times[0][0] + stage_times[0][1])
         busy = [makespan]
-    optimizer = _optimizer_time(config, efficiency)
+    optimizer = _optimizer_time(config, efficiency, memory)
     totals = [makespan + sum(outer_exposed[r].values()) + optimizer for r in range(plan.pp)]
     crit = max(range(plan.pp), key=lambda r: totals[r])
     step = totals[crit]
@@ -300,9 +345,8 @@ def predict_step(config: RunConfig, efficiency: Efficiency = DEFAULT_EFFICIENCY)
     tokens = config.tokens_per_step
     world = config.world_size
     model_flops = model.flops_per_token(train.seq_len) * tokens
-    peak = config.cluster.gpu.peak_flops("bf16" if train.compute_dtype in ("bf16", "fp16", "fp32") else train.compute_dtype)
-    if train.compute_dtype == "fp32":
-        peak = config.cluster.gpu.peak_flops("fp32")
+    # MFU against the dense bf16 peak (fp8 runs too, as is customary); fp32 runs against fp32's.
+    peak = config.cluster.gpu.peak_flops("fp32" if train.compute_dtype == "fp32" else "bf16")
     mfu = model_flops / (step * world * peak)
     return StepPrediction(
         step_time_s=step,

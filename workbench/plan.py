@@ -365,25 +365,26 @@ def split_layers(n_layers: int, n_stages: int) -> tuple[int, ...]:
 
 
 def _validate_schedule(plan: ParallelPlan, train: "TrainSettings") -> None:
-    """Micro-batch and virtual-stage rules of each schedule, as torch.distributed.pipelining has them."""
+    """Micro-batch and virtual-stage rules of each schedule, exactly as torch 2.13's
+    torch.distributed.pipelining constructors have them (see :func:`workbench.schedule.check_schedule`)."""
+    from .schedule import check_schedule  # schedule imports plan's constants: import here, not at the top
+
     name, v, p = plan.pp_schedule, plan.virtual_stages, plan.pp
-    m = train.global_batch_size // (train.micro_batch_size * plan.dp) if plan.dp_shard > 0 else 0
-    if name in ("gpipe", "1f1b"):
-        require(v == 1, f"pp_schedule={name} runs one stage per rank; virtual_stages={v} needs an interleaved schedule",
-                field="virtual_stages", value=v)
-    elif name in V_SCHEDULES:
-        require(v == 2, f"pp_schedule={name} places exactly 2 stages per rank in a V; virtual_stages={v} must be 2",
-                field="virtual_stages", value=v)
-    else:
-        require(v >= 2, f"pp_schedule={name} needs virtual_stages >= 2 (got {v})", field="virtual_stages", value=v)
-    if name != "gpipe" and train.global_batch_size:
-        require(
-            m >= p,
-            f"pp_schedule={name} needs n_microbatches >= pp: global_batch_size / (micro_batch_size x dp) = "
-            f"{train.global_batch_size} / ({train.micro_batch_size} x {plan.dp}) = {m} < pp={p}",
+    gbs, mbs = train.global_batch_size, train.micro_batch_size
+    per_step = mbs * plan.dp if plan.dp_shard > 0 else 0
+    # Without a resolved micro-batch count (global_batch_size=0, or not divisible: reported by
+    # validate() itself) only the virtual-stage rules can be checked; m = 2 x pp passes them all.
+    m = gbs // per_step if per_step and gbs and gbs % per_step == 0 else 0
+    try:
+        check_schedule(name, p, m or 2 * p, v)
+    except ConfigError as err:
+        if err.field != "n_microbatches":
+            raise
+        raise ConfigError(
+            f"global_batch_size / (micro_batch_size x dp) = {gbs} / ({mbs} x {plan.dp}) = {m} micro-batches: {err}",
             field="global_batch_size",
-            value=train.global_batch_size,
-        )
+            value=gbs,
+        ) from None
 
 
 @functools.lru_cache(maxsize=4096)
