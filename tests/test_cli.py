@@ -113,3 +113,15 @@ def test_mesh_warns_about_tp_across_nodes():
     assert "warning" not in result.output
     proc = run_cli("mesh", "--model", "llama3-405b", "--nodes", "2", "--plan", "tp=16")
     assert proc.returncode == 2 and "tp=16 does not divide n_kv_heads=8" in proc.stderr
+
+
+def test_train_refuses_what_the_trainer_cannot_run_before_starting(tmp_path):
+    for args, message in [
+        (["train", "--model", "tiny-moe", "--plan", "tp=2"], "error: tp=2 with MoE layers"),
+        (["train", "--model", "tiny", "--plan", "tp=3"], "error: tp=3 does not divide n_heads=4"),
+        (["train", "--model", "tiny", "--plan", "pp=8"], "error: pp x virtual_stages = 8 x 1 = 8 exceeds n_layers=4"),
+    ]:
+        proc = run_cli(*args, "--runs", str(tmp_path))
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(message), proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no run directory, no process

@@ -151,27 +151,42 @@ def _plan_shapes(s: _Search) -> list[dict[str, int]]:
     return shapes
 
 
-def _candidate(s: _Search, shape: dict[str, int], schedule: str, v: int, mbs: int) -> PlanCandidate | None:
-    """The cheapest recomputation and lowest ZeRO stage that fit, predicted; None if none fits."""
+def _candidate(s: _Search, shape: dict[str, int], schedule: str, v: int, mbs: int) -> PlanCandidate | str:
+    """The cheapest recomputation and lowest ZeRO stage that fit, predicted; else why not:
+    "invalid" or "too_big"."""
     base_train = replace(s.train, micro_batch_size=mbs)
     zero_stages = (1, 2, 3) if shape["dp_shard"] * shape["cp"] > 1 else (0,)
+
+    def build(recompute: str, zero: int) -> RunConfig | None:
+        plan = ParallelPlan(pp_schedule=schedule, virtual_stages=v, zero_stage=zero, sequence_parallel=True, **shape)
+        try:
+            return RunConfig(s.model, s.cluster, plan, replace(base_train, recompute=recompute))
+        except ConfigError as e:
+            s.stats["invalid"] += 1
+            s.note(plan.describe(), str(e))
+            return None
+
+    # The leanest variant first: if full recomputation with the highest ZeRO stage does not fit,
+    # nothing of this shape does (the 8 other variants are not evaluated).
+    lean = build("full", zero_stages[-1])
+    if lean is None:
+        return "invalid"
+    s.stats["plans"] += 1
+    if not estimate_memory(lean).fits():
+        s.stats["too_big"] += 1
+        return "too_big"
     for recompute in RECOMPUTE_ORDER:
         for zero in zero_stages:
             s.stats["plans"] += 1
-            plan = ParallelPlan(pp_schedule=schedule, virtual_stages=v, zero_stage=zero,
-                                sequence_parallel=True, **shape)
-            try:
-                cfg = RunConfig(s.model, s.cluster, plan, replace(base_train, recompute=recompute))
-            except ConfigError as e:
-                s.stats["invalid"] += 1
-                s.note(f"{plan.describe()}", str(e))
-                return None  # the same rule fails for every recompute / zero stage
+            cfg = build(recompute, zero)
+            if cfg is None:
+                return "invalid"  # the same rule fails for every recompute / zero stage
             bill = estimate_memory(cfg)
             if bill.fits():
                 s.stats["predicted"] += 1
                 return PlanCandidate(cfg, bill, predict_step(cfg, memory=bill, simulate=False))
             s.stats["too_big"] += 1
-    return None
+    return "too_big"
 
 
 def _baseline(model: ModelSpec, cluster: Cluster, train: TrainSettings) -> Baseline:
@@ -201,12 +216,14 @@ def advise(model: ModelSpec, cluster: Cluster, train: TrainSettings, top: int = 
             s.note(f"dp={dp}", f"global_batch_size={gbs} is not divisible by dp={dp}")
             continue
         per_dp = gbs // dp if gbs else 0
-        for mbs in (1, 2, 4):
-            if per_dp and per_dp % mbs:
-                continue
-            for schedule, v in _schedules(shape["pp"], model.n_layers):
+        for schedule, v in _schedules(shape["pp"], model.n_layers):
+            for mbs in (1, 2, 4):
+                if per_dp and per_dp % mbs:
+                    continue
                 c = _candidate(s, shape, schedule, v, mbs)
-                if c is not None:
+                if c == "too_big":
+                    break  # a larger micro-batch holds more activations: it will not fit either
+                if isinstance(c, PlanCandidate):
                     results.append(c)
     # Screened with the equal-stage pipeline bound; the front runners get the full simulation.
     results.sort(key=lambda c: -c.prediction.tokens_per_s)

@@ -214,6 +214,35 @@ def format_bill(config: RunConfig, bill: Any) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- train
+@main.command()
+@click.option("--model", default="tiny", show_default=True, help="Model preset.")
+@click.option("--plan", "plan_text", default="", help='Plan, e.g. "dp_shard=2,tp=2" (unset degrees are 1).')
+@click.option("--steps", type=int, default=50, show_default=True)
+@click.option("--config", "config_path", type=click.Path(), default=None, help="A RunConfig JSON file instead.")
+@click.option("--seq", "seq_len", type=int, default=None, help="Sequence length (default 64).")
+@click.option("--mbs", "micro_batch_size", type=int, default=None, help="Micro-batch size (default 2).")
+@click.option("--gbs", "global_batch_size", type=int, default=None, help="Global batch in sequences.")
+@click.option("--lr", type=float, default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--deterministic", is_flag=True, default=False, help="Bit-identical losses across runs.")
+@click.option("--dataset", default=None, help="pydoc (default) | synthetic | text | bin.")
+@click.option("--data-path", default=None, help="Text file or uint16 .bin for --dataset text/bin.")
+@click.option("--runs", "run_root", default="runs", show_default=True, help="Where run directories go.")
+@click.option("--run-id", default=None)
+def train(model: str, plan_text: str, steps: int, config_path: str | None, run_root: str, run_id: str | None,
+          **overrides: Any) -> None:
+    """Train the bundled model locally with torchrun; exits with the job's status."""
+    from .launch.local import config_from_cli, train_local
+
+    if config_path:
+        config = RunConfig.load(config_path)
+    else:
+        given = {k: v for k, v in overrides.items() if v not in (None, False)}
+        config = config_from_cli(model, plan_text, steps, **given)
+    sys.exit(train_local(config, run_root=run_root, run_id=run_id, stream=click.echo))
+
+
 # ---------------------------------------------------------------------------- plan
 def _cluster_only_options(f: Callable) -> Callable:
     f = click.option("--nodes", type=int, default=1, show_default=True)(f)

@@ -1,0 +1,206 @@
+"""Every parallel layout trains the same numbers as one process.
+
+The tiny model, a fixed seed and the pydoc corpus; per-step losses over STEPS steps under each
+layout must equal the single-process run within relative tolerance 1e-4 (fp32 on CPU; what
+differs is only the order of floating-point reductions).
+
+To fit the CI budget, one torchrun job per world size runs all of its layouts in sequence (the
+process group is made once; every layout builds its own DeviceMesh), and the single-process
+reference runs once, in the test process. Run this file as a script to be one such worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+STEPS = 10
+RTOL = 1e-4
+
+# Layouts of world size 2 and 4 (cp and ep layouts are tested in test_context_parallel.py and
+# test_expert_parallel.py).
+LAYOUTS_2 = [
+    "dp_replicate=2",
+    "dp_shard=2",
+    "dp_shard=2,zero=2",
+    "tp=2,sequence_parallel=1",
+    "tp=2,sequence_parallel=0,loss_parallel=1",
+    "pp=2,schedule=gpipe",
+    "pp=2,schedule=1f1b",
+    "pp=2,schedule=interleaved-1f1b,v=2",
+    "pp=2,schedule=looped-bfs,v=2",
+    "pp=2,schedule=zero-bubble,v=2",
+    "pp=2,schedule=zbv,v=2",
+    "pp=2,schedule=dualpipev,v=2",
+]
+LAYOUTS_4 = [
+    "dp_shard=4",
+    "dp_replicate=2,dp_shard=2",
+    "dp_shard=2,tp=2",
+    "pp=2,tp=2",
+    "pp=2,dp_shard=2",
+    "pp=4,schedule=gpipe",
+    "pp=4,schedule=1f1b",
+]
+# Meshes checked against ParallelPlan.group_ranks without training (every group dimension).
+MESH_ONLY_4 = ["cp=2,tp=2", "dp_shard=4,ep=2", "dp_shard=2,cp=2,ep=4", "dp_replicate=2,cp=2", "pp=2,dp_shard=2"]
+RECOMPUTE = {"dp_shard=2,zero=2": "full", "tp=2,sequence_parallel=0,loss_parallel=1": "selective"}
+
+
+def make_config(plan_text: str, world: int):
+    from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
+
+    train = TrainSettings(seq_len=32, micro_batch_size=2, global_batch_size=8, steps=STEPS, warmup_steps=2,
+                          lr=3e-3, seed=1, recompute=RECOMPUTE.get(plan_text, "none")).with_precision("fp32")
+    cluster = Cluster.preset("local-cpu", nodes=max(1, world // 2), gpus_per_node=min(world, 2))
+    plan = ParallelPlan.parse(plan_text, dp_shard=1) if plan_text else ParallelPlan(dp_shard=1)
+    return RunConfig(ModelSpec.preset("tiny"), cluster, plan, train)
+
+
+def worker(out_path: str, layouts: list[str]) -> None:
+    """One rank of a torchrun job: train each layout, rank 0 writes {layout: losses}."""
+    import torch.distributed as dist
+
+    from workbench import ParallelPlan
+    from workbench.trainer.mesh import build_meshes, check_mesh
+    from workbench.trainer.train import init_distributed, run_training
+
+    rank, world, _, _ = init_distributed()
+    results: dict = {}
+    if world == 4:
+        # check_mesh raises on any rank whose groups differ from the plan's; gather rank 0's.
+        groups = {}
+        for text in MESH_ONLY_4:
+            plan = ParallelPlan.parse(text, dp_shard=1).resolve(world)
+            groups[text] = check_mesh(build_meshes(plan, "cpu"), rank)
+        results["_mesh_groups_rank0"] = groups
+    for text in layouts:
+        t0 = time.time()
+        results[text] = run_training(make_config(text, world))
+        if rank == 0:
+            print(f"{text}: {time.time() - t0:.1f}s", flush=True)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_job(world: int, layouts: list[str], tmp_path: Path) -> dict[str, list[float]]:
+    out = tmp_path / f"losses-{world}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORKBENCH_PG_TIMEOUT_S="60")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           __file__, "worker", str(out), *layouts]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    from workbench.trainer.train import run_training
+
+    return run_training(make_config("", 1))
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def check(results: dict[str, list[float]], reference: list[float]) -> None:
+    report = {k: max_rel_diff(v, reference) for k, v in results.items()}
+    print("\nmax relative loss difference per layout:")
+    for k, d in report.items():
+        print(f"  {k:40s} {d:.2e}")
+    bad = {k: d for k, d in report.items() if not d <= RTOL}
+    assert not bad, f"layouts off the single-process losses: {bad}"
+
+
+def test_reference_loss_falls(reference):
+    assert len(reference) == STEPS
+    assert reference[-1] < reference[0] - 0.1
+
+
+@pytest.mark.timeout(500)
+def test_layouts_world_2(reference, tmp_path):
+    results = run_job(2, LAYOUTS_2, tmp_path)
+    assert set(results) == set(LAYOUTS_2)
+    check(results, reference)
+
+
+@pytest.mark.timeout(500)
+def test_layouts_world_4(reference, tmp_path):
+    results = run_job(4, LAYOUTS_4, tmp_path)
+    groups = results.pop("_mesh_groups_rank0")
+    assert set(results) == set(LAYOUTS_4)
+    check(results, reference)
+    from workbench import ParallelPlan
+
+    for text in MESH_ONLY_4:
+        plan = ParallelPlan.parse(text, dp_shard=1).resolve(4)
+        expected = {d: next(g for g in plan.group_ranks(d) if 0 in g) for d in groups[text]}
+        assert groups[text] == expected
+        assert "ep" in groups[text] or plan.ep == 1
+
+
+def test_invalid_config_starts_no_process(tmp_path):
+    from workbench import ConfigError
+    from workbench.launch.local import config_from_cli
+
+    with pytest.raises(ConfigError, match="tp=3 does not divide n_heads=4"):
+        config_from_cli("tiny", "tp=3", steps=5)
+    # Nothing was created, so nothing was started.
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(120)
+def test_failing_rank_ends_the_job_quickly(tmp_path):
+    """Rank 1 raises at step 2 while rank 0 waits in a collective: the job must end within
+    seconds (not the process-group timeout), naming the rank and its error, in the events too."""
+    from workbench.launch.local import config_from_cli, train_local
+    from workbench.telemetry import read_events
+
+    config = config_from_cli("tiny", "dp_shard=2", steps=20, seq_len=32)
+    lines: list[str] = []
+    t0 = time.time()
+    code = train_local(config, run_root=tmp_path, run_id="fail", stream=lines.append,
+                       env={"WORKBENCH_FAIL_AT": "1:2", "WORKBENCH_PG_TIMEOUT_S": "600"})
+    elapsed = time.time() - t0
+    assert code != 0
+    assert elapsed < 60, elapsed
+    errors = [e for e in read_events(tmp_path / "fail") if e["kind"] == "error"]
+    assert errors and errors[0]["rank"] == 1
+    assert "rank 1: RuntimeError: injected failure at step 2" in errors[0]["error"]
+    assert any("rank 1: RuntimeError: injected failure" in line for line in lines)
+
+
+@pytest.mark.timeout(120)
+def test_train_local_writes_the_run_directory(tmp_path):
+    from workbench.launch.local import config_from_cli, train_local
+    from workbench.telemetry import load_run
+    from workbench.telemetry.events import find_gaps
+
+    config = config_from_cli("tiny", "dp_shard=2", steps=3, seq_len=32)
+    lines: list[str] = []
+    assert train_local(config, run_root=tmp_path, run_id="ok", stream=lines.append) == 0
+    run = load_run(tmp_path / "ok")
+    assert run.config == config
+    assert run.manifest["world_size"] == 2 and run.manifest["mesh"] == {"dp_shard": 2}
+    events = run.events()
+    assert find_gaps(events) == {}
+    for rank in (0, 1):
+        kinds = [e["kind"] for e in events if e["rank"] == rank]
+        assert kinds == ["run_start", "step", "step", "step", "run_end"], kinds
+    steps = run.steps()
+    assert [e["step"] for e in steps] == [0, 1, 2]
+    assert all(e["loss"] > 0 and e["tokens_per_s"] > 0 and e["grad_norm"] > 0 for e in steps)
+    assert sum(line.startswith("step ") for line in lines) == 3
+
+
+if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
+    worker(sys.argv[2], sys.argv[3:])

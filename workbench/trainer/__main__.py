@@ -1,0 +1,8 @@
+"""``python -m workbench.trainer runs/<id>/config.json`` (started by torchrun)."""
+
+import sys
+
+from .train import main
+
+if __name__ == "__main__":
+    sys.exit(main())

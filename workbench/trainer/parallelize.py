@@ -1,0 +1,175 @@
+"""Apply tensor parallelism, activation checkpointing and data parallelism to a (meta) model.
+
+Order matters, and :func:`parallelize` keeps it: **TP, then AC, then FSDP/DDP.**
+
+* TP first: ``parallelize_module`` replaces weights by DTensors sharded over the TP mesh and
+  installs the layout hooks; activation checkpointing must then recompute *those* sharded ops.
+* AC before FSDP: checkpoint wrappers go around each block; FSDP then wraps the (wrapped) block,
+  so its all-gather hooks run outside the recomputed region and the parameters gathered for the
+  forward are gathered again for the recomputation only if resharded (ZeRO-3).
+* FSDP last: ``fully_shard`` shards whatever each parameter already is (a TP DTensor becomes a 2-D
+  DTensor over (dp, tp)); per block first, the root last, so each block is one all-gather group.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from .model import Transformer
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True, loss_parallel: bool = False) -> None:
+    """Megatron tensor parallelism (Shoeybi et al. 2019) with sequence parallelism (Korthikanti
+    et al. 2022) on DTensor.
+
+    Column-parallel wq, wk, wv, w1, w3 (each rank computes n_heads/tp heads, d_ff/tp hidden units);
+    row-parallel wo, w2 (partial sums, reduced: all-reduce without SP, reduce-scatter over the
+    sequence with SP). With SP the residual stream and the norms run on seq_len/tp tokens per rank
+    (``Shard(1)``); ``PrepareModuleInput`` all-gathers the sequence before attention and the MLP.
+    The output projection is column-parallel over the vocabulary: logits are all-gathered
+    (Replicate) or left sharded for a loss-parallel cross-entropy.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    root: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sequence_parallel:
+        root["norm"] = SequenceParallel()
+    if model.output is not None:
+        root["output"] = ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if root:
+        parallelize_module(model, tp_mesh, root)  # type: ignore[arg-type]
+    if model.pos_embeddings is not None and sequence_parallel:
+        raise NotImplementedError("learned position embeddings with sequence parallel are not supported")
+
+    for block in model.layers.values():
+        if block.moe is not None:
+            raise NotImplementedError(
+                "tp > 1 with MoE layers is not supported by the bundled trainer: use ep (expert parallel) instead"
+            )
+        if block.attention.q_norm is not None:
+            raise NotImplementedError("tp > 1 with qk_norm is not supported by the bundled trainer")
+        plan: dict[str, object] = {
+            "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if block.feed_forward.w3 is not None:
+            plan["feed_forward.w3"] = ColwiseParallel()
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)  # type: ignore[arg-type]
+    # Stages after the first receive hidden states sharded over the sequence: remember the split
+    # so that the default positions cover the whole sequence.
+    model.sequence_split = tp_mesh.size() if sequence_parallel else 1
+
+
+def apply_ac(model: Transformer, mode: str) -> None:
+    """Activation checkpointing, with the planner's meaning (memory.py):
+
+    * ``"none"``: keep every activation;
+    * ``"selective"``: recompute the attention core only (softmax(QK^T)V, the s^2 part;
+      Korthikanti et al. 2022): each attention's ``sdpa`` call runs under ``checkpoint``;
+    * ``"full"``: keep only each block's input and recompute the whole block in backward.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint
+
+    if mode == "none":
+        return
+    for name, block in list(model.layers.items()):
+        if mode == "full":
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif mode == "selective":
+            attention = block.attention
+            attention.sdpa = functools.partial(checkpoint, attention.sdpa, use_reentrant=False, preserve_rng_state=False)
+        else:
+            raise ValueError(f"recompute={mode!r} is not one of none, selective, full")
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int = 3, mp_policy=None) -> None:
+    """FSDP2 ``fully_shard``: each block, then the root (embeddings, final norm, output).
+
+    ``reshard_after_forward = (zero_stage == 3)``: ZeRO-3 frees gathered parameters after the
+    forward and gathers them again for the backward; stages 1 and 2 keep them until the backward
+    (FSDP2 always shards gradients and optimizer states, so 1 behaves as 2). A 2-D ``dp_mesh``
+    (dp_replicate, dp_shard_cp) gives HSDP: shard inside, all-reduce across replicas.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    reshard = zero_stage == 3
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    # The root's parameters are needed again right at the start of the backward: keep them.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+
+
+def apply_ddp(model: Transformer, dp_mesh: DeviceMesh, mp_policy=None) -> None:
+    """Replicated data parallelism (DDP semantics: all-reduce of gradients, mean) over
+    ``dp_mesh``, per block then root so gradients of late blocks are reduced while earlier
+    blocks still compute. Uses FSDP2's ``replicate``, which composes with TP DTensors."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    for block in model.layers.values():
+        replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
+    replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+
+
+def mixed_precision_policy(compute_dtype: torch.dtype):
+    """FSDP2: gather parameters in ``compute_dtype``, reduce gradients in fp32 (fp32 master)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if compute_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def parallelize(model: Transformer, meshes, plan, recompute: str, compute_dtype: torch.dtype = torch.float32) -> bool:
+    """Apply CP, EP, TP, AC and data parallelism in that order. Returns True when the data
+    parallel wrapper casts to ``compute_dtype`` itself (no autocast needed)."""
+    if plan.cp > 1:
+        from .context_parallel import apply_cp  # written alongside; imported only when used
+
+        apply_cp(model, meshes.get("cp"))
+    if plan.ep > 1:
+        from .expert_parallel import apply_ep
+
+        apply_ep(model, meshes.ep_mesh if meshes.ep_mesh is not None else meshes.ep_group)
+    if plan.tp > 1:
+        apply_tp(model, meshes.get("tp"), plan.sequence_parallel, plan.loss_parallel)
+    apply_ac(model, recompute)
+    mp = mixed_precision_policy(compute_dtype)
+    fsdp_mesh = meshes.fsdp_mesh()
+    if fsdp_mesh is not None and plan.zero_stage > 0:
+        apply_fsdp(model, fsdp_mesh, plan.zero_stage, mp)
+        return True
+    dp_mesh = meshes.get("dp_cp") if fsdp_mesh is not None else meshes.get("dp_replicate")
+    if dp_mesh is not None:
+        apply_ddp(model, dp_mesh, mp)
+        return True
+    return False

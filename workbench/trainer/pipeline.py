@@ -1,0 +1,104 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: stage modules and schedules.
+
+Stages: ``plan.stage_layer_counts(n_layers)`` layers each, in order; the first stage also holds
+the token embeddings, the last the final norm, the output projection and the loss. A pipeline rank
+holds the stages ``plan.stages_of_rank(pp_rank)``: one (GPipe, 1F1B), a loop r, r+p, ...
+(interleaved, looped BFS, zero bubble) or a V r, 2p-1-r (ZBV, DualPipeV).
+
+Each stage module is a copy of the meta model with the other layers deleted (``layers`` is a
+ModuleDict keyed by the global layer index, so parameter names, and hence initial values, are the
+same as in the unsplit model).
+
+Loss: the schedule calls ``loss_fn`` per micro-batch and backpropagates it. We return the
+micro-batch mean cross-entropy divided by the number of micro-batches and turn the schedule's own
+scaling off, so the sum of the micro-batch losses is the mean loss of the local batch, exactly the
+objective of the non-pipelined run with gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as S
+
+from ..plan import ParallelPlan
+from .model import Transformer
+
+SCHEDULE_CLASSES: dict[str, type] = {
+    "gpipe": S.ScheduleGPipe,
+    "1f1b": S.Schedule1F1B,
+    "interleaved-1f1b": S.ScheduleInterleaved1F1B,
+    "looped-bfs": S.ScheduleLoopedBFS,
+    "zero-bubble": S.ScheduleInterleavedZeroBubble,
+    "zbv": S.ScheduleZBVZeroBubble,
+    "dualpipev": S.ScheduleDualPipeV,
+}
+SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+def stage_layers(plan: ParallelPlan, n_layers: int) -> list[list[int]]:
+    """Global layer indices of every stage, in stage order."""
+    out, start = [], 0
+    for count in plan.stage_layer_counts(n_layers):
+        out.append(list(range(start, start + count)))
+        start += count
+    return out
+
+
+def split_stage(model: Transformer, stage: int, n_stages: int, layer_ids: list[int]) -> Transformer:
+    """A copy of ``model`` (on meta: free) that keeps only what stage ``stage`` computes."""
+    module = copy.deepcopy(model)
+    keep = {str(i) for i in layer_ids}
+    for name in list(module.layers.keys()):
+        if name not in keep:
+            del module.layers[name]
+    if stage != 0:
+        module.tok_embeddings = None
+        module.pos_embeddings = None
+    if stage != n_stages - 1:
+        module.norm = None
+        module.output = None
+    return module
+
+
+def build_stages(
+    model: Transformer,
+    plan: ParallelPlan,
+    pp_rank: int,
+    pp_group,
+    device: torch.device,
+    prepare: Callable[[Transformer], Transformer],
+) -> tuple[list[PipelineStage], list[Transformer]]:
+    """This rank's stages. ``prepare`` parallelises and materialises one stage module."""
+    layers = stage_layers(plan, model.spec.n_layers)
+    n_stages = plan.n_stages
+    stages, modules = [], []
+    for s in plan.stages_of_rank(pp_rank):
+        module = prepare(split_stage(model, s, n_stages, layers[s]))
+        modules.append(module)
+        stages.append(PipelineStage(module, s, n_stages, device, group=pp_group))
+    return stages, modules
+
+
+def build_schedule(plan: ParallelPlan, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable):
+    """The schedule object ``plan.pp_schedule`` names, with our own loss scaling (see module doc)."""
+    cls = SCHEDULE_CLASSES[plan.pp_schedule]
+    if plan.pp_schedule in SINGLE_STAGE:
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def holds_first(plan: ParallelPlan, pp_rank: int) -> bool:
+    return 0 in plan.stages_of_rank(pp_rank)
+
+
+def holds_last(plan: ParallelPlan, pp_rank: int) -> bool:
+    return plan.n_stages - 1 in plan.stages_of_rank(pp_rank)
+
+
+def stage_modules_params(modules: list[nn.Module]) -> list[nn.Parameter]:
+    return [p for m in modules for p in m.parameters()]

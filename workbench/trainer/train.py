@@ -1,0 +1,377 @@
+"""The training loop: ``python -m workbench.trainer runs/<id>/config.json`` under torchrun.
+
+One step, whatever the layout:
+
+1. read this data-parallel rank's slice of the global batch (``data.BatchLoader``);
+2. forward + backward over its micro-batches: gradient accumulation (pp = 1; each micro-batch
+   loss is divided by their number) or a pipeline schedule (pp > 1, same scaling);
+3. clip gradients by their global L2 norm (over every shard, stage and expert);
+4. AdamW step (warm-up then cosine decay to ``min_lr_ratio * lr``);
+5. log the global mean loss (averaged over the data-parallel and context-parallel ranks) as a
+   "step" event.
+
+Precision: parameters, gradients and optimizer states are fp32 (the fp32 master); on CUDA with a
+bf16 ``compute_dtype`` matmuls run in bf16 (FSDP2 MixedPrecisionPolicy with fp32 gradient
+reduction, or autocast where no data-parallel wrapper casts). On CPU everything is fp32.
+
+Deterministic mode (``train.deterministic``): ``torch.use_deterministic_algorithms(True)``,
+``CUBLAS_WORKSPACE_CONFIG=:4096:8``, cuDNN benchmarking off, fixed seeds. Same layout, seed and
+data then give bit-identical losses across runs. Limits: only for the same layout and world size
+(other layouts reduce in another order: equal to ~1e-6, not bitwise), the same hardware and
+library versions; ops without a deterministic kernel raise instead of running. Cost: typically a
+few percent on GPU (deterministic scatter/index_add kernels, no cuBLAS split-K autotuning); none
+on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from .support import check_trainable
+from ..config import RunConfig
+from ..telemetry.events import Error, EventWriter, RunEnd, RunStart, Step
+from .data import BatchLoader, load_tokens
+from .mesh import Meshes, build_meshes, check_mesh
+from .model import Transformer, build_model, materialize
+from .parallelize import parallelize
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PG_TIMEOUT_S = float(os.environ.get("WORKBENCH_PG_TIMEOUT_S", "300"))
+
+
+# --------------------------------------------------------------------------- process group
+
+
+def init_distributed() -> tuple[int, int, torch.device, str]:
+    """Initialise the default process group from torchrun's environment (gloo on CPU, NCCL on
+    CUDA), with a timeout so that a lost peer ends the job instead of hanging it."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+                                **({"device_id": device} if backend == "nccl" else {}))
+    return rank, world, device, backend
+
+
+def set_determinism(seed: int, deterministic: bool) -> None:
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+# --------------------------------------------------------------------------- optimisation
+
+
+def lr_at(step: int, lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio * lr`` at ``total``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_optimizer(params: list[torch.nn.Parameter], config: RunConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not norms, biases). Fused on CUDA for plain tensors,
+    foreach on CUDA for DTensors, the reference loop on CPU."""
+    t = config.train
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kw: dict[str, Any] = {}
+    if device.type == "cuda":
+        if any(isinstance(p, DTensor) for p in params):
+            kw["foreach"] = True
+        else:
+            kw["fused"] = True
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=t.lr, momentum=t.betas[0])
+    cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
+    return cls(groups, lr=t.lr, betas=t.betas, eps=1e-8, **kw)
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group=None) -> float:
+    """Global L2 norm of all gradients, then scale them by min(1, max_norm / norm).
+
+    DTensor gradients (FSDP, TP, EP shards) contribute their full norm (``full_tensor`` sums the
+    shards' squares over their mesh; replicated ones are counted once); pipeline stages hold
+    disjoint parameters, so their squared norms are summed over the pp group."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        n = torch.linalg.vector_norm(g, dtype=torch.float32)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        total_sq += n * n
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    norm = float(total_sq.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+@dataclass
+class Trainer:
+    """Everything one rank holds for a run: modules, optimizer, data and the step counter."""
+
+    config: RunConfig
+    rank: int
+    device: torch.device
+    meshes: Meshes
+    modules: list[Transformer]
+    optimizer: torch.optim.Optimizer
+    loader: BatchLoader
+    n_microbatches: int
+    schedule: Any = None  # pipeline schedule when pp > 1
+    dp_wrapped: bool = False
+    step: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for m in self.modules for p in m.parameters()]
+
+
+def _positions_for_cp(trainer: "Trainer", tokens: torch.Tensor, targets: torch.Tensor):
+    plan = trainer.config.plan
+    if plan.cp == 1:
+        return tokens, targets, None
+    from .context_parallel import shard_sequence
+
+    return shard_sequence(tokens, targets, trainer.meshes.local_rank("cp"), plan.cp)
+
+
+def setup(config: RunConfig, rank: int, device: torch.device) -> Trainer:
+    """Build the mesh, the (sharded, staged) model, the optimizer and the data loader."""
+    plan, t = config.plan, config.train
+    if config.model.tie_embeddings and plan.pp > 1:
+        raise NotImplementedError("tie_embeddings with pp > 1 is not supported (the tied weights live on two stages)")
+    set_determinism(t.seed, t.deterministic)
+    meshes = build_meshes(plan, device.type)
+    if dist.is_initialized():
+        check_mesh(meshes, rank)
+    compute = DTYPES[t.compute_dtype] if device.type == "cuda" else torch.float32
+    meta = build_model(config.model, "meta", t.moe_capacity_factor)
+    n_micro = config.n_microbatches
+
+    def prepare(module: Transformer) -> Transformer:
+        dp_wrapped = parallelize(module, meshes, plan, t.recompute, compute)
+        module._dp_wrapped = dp_wrapped  # type: ignore[attr-defined]
+        materialize(module, device, t.seed)
+        for moe in module.moe_layers():
+            moe.aux_loss_weight = t.moe_aux_loss_coeff / n_micro
+        return module
+
+    schedule = None
+    if plan.pp > 1:
+        from .pipeline import build_schedule, build_stages
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return cross_entropy(logits, targets) / n_micro
+
+        stages, modules = build_stages(meta, plan, meshes.local_rank("pp"), meshes.group("pp"), device, prepare)
+        schedule = build_schedule(plan, stages, n_micro, loss_fn)
+    else:
+        modules = [prepare(meta)]
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = build_optimizer(params, config, device)
+    tokens = load_tokens(t.dataset, t.data_path, config.model.vocab_size, t.seed)
+    loader = BatchLoader(tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
+                         dp_rank=meshes.local_rank("dp"), dp_size=plan.dp, seed=t.seed)
+    return Trainer(config, rank, device, meshes, modules, optimizer, loader, n_micro, schedule,
+                   dp_wrapped=getattr(modules[0], "_dp_wrapped", False))
+
+
+def _autocast(trainer: Trainer):
+    t = trainer.config.train
+    if trainer.device.type == "cuda" and t.compute_dtype != "fp32" and not trainer.dp_wrapped:
+        return torch.autocast("cuda", dtype=DTYPES[t.compute_dtype])
+    return torch.autocast(trainer.device.type, enabled=False)
+
+
+def _loss_parallel(trainer: Trainer):
+    if trainer.config.plan.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def train_step(trainer: Trainer) -> dict[str, Any]:
+    """One optimizer step; returns the metrics of the "step" event."""
+    config, plan, t = trainer.config, trainer.config.plan, trainer.config.train
+    step = trainer.step
+    lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr
+    t0 = time.perf_counter()
+    tokens, targets = trainer.loader.next_batch()
+    data_wait = time.perf_counter() - t0
+    tokens, targets, positions = _positions_for_cp(trainer, tokens, targets)
+    tokens, targets = tokens.to(trainer.device), targets.to(trainer.device)
+    if positions is not None:
+        positions = positions.to(trainer.device)
+    local_loss = torch.zeros((), device=trainer.device)
+    b, m = t.micro_batch_size, trainer.n_microbatches
+    with _autocast(trainer), _loss_parallel(trainer):
+        if trainer.schedule is not None:
+            from .pipeline import holds_first, holds_last
+
+            pp_rank = trainer.meshes.local_rank("pp")
+            for module in trainer.modules:
+                module.default_positions = positions
+            losses: list[torch.Tensor] = []
+            args = (tokens,) if holds_first(plan, pp_rank) else ()
+            if holds_last(plan, pp_rank):
+                trainer.schedule.step(*args, target=targets, losses=losses)
+                local_loss = torch.stack([_plain(x.detach()).float() for x in losses]).sum()
+            else:
+                trainer.schedule.step(*args)
+        else:
+            model = trainer.modules[0]
+            for i in range(m):
+                if trainer.dp_wrapped:
+                    # Reduce gradients once, after the last micro-batch (same sum, less traffic).
+                    model.set_requires_gradient_sync(i == m - 1)
+                x, y = tokens[i * b : (i + 1) * b], targets[i * b : (i + 1) * b]
+                loss = cross_entropy(model(x, positions), y) / m
+                loss.backward()
+                local_loss += _plain(loss.detach()).float()
+    _maybe_fail(trainer.rank, step)
+    grad_norm = clip_grad_norm(trainer.params, t.grad_clip, trainer.meshes.group("pp"))
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    # The loss lives on the last pipeline stage: sum it over pp, then average over dp x cp.
+    if plan.pp > 1:
+        dist.all_reduce(local_loss, group=trainer.meshes.group("pp"))
+    if plan.dp * plan.cp > 1:
+        dist.all_reduce(local_loss, group=trainer.meshes.group("dp_cp"))
+        local_loss /= plan.dp * plan.cp
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    trainer.step += 1
+    metrics: dict[str, Any] = dict(step=step, loss=float(local_loss), grad_norm=grad_norm, lr=lr,
+                                   tokens=config.tokens_per_step, tokens_per_s=config.tokens_per_step / dt,
+                                   step_time_s=dt, data_wait_s=data_wait)
+    moes = [moe for module in trainer.modules for moe in module.moe_layers()]
+    if moes:
+        metrics["aux_loss"] = float(sum(float(moe.aux_loss) for moe in moes) / len(moes))
+        metrics["tokens_per_expert"] = [moe.tokens_per_expert.tolist() for moe in moes]
+    return metrics
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """A loss value as a plain tensor (loss parallel makes it a replicated DTensor)."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _maybe_fail(rank: int, step: int) -> None:
+    """Fault injection for tests: WORKBENCH_FAIL_AT="<rank>:<step>" makes that rank raise."""
+    spec = os.environ.get("WORKBENCH_FAIL_AT")
+    if spec:
+        r, s = (int(x) for x in spec.split(":"))
+        if r == rank and s == step:
+            raise RuntimeError(f"injected failure at step {step}")
+
+
+def run_training(config: RunConfig, writer: EventWriter | None = None, steps: int | None = None) -> list[float]:
+    """Train ``config`` in this process (one rank of an initialised job, or alone when the world
+    size is 1); emit events to ``writer``; return the per-step losses."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != config.world_size:
+        raise RuntimeError(f"the job has {world} processes but the config's world size is {config.world_size}")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    trainer = setup(config, rank, device)
+    if writer is not None:
+        n_local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainer.params)
+        writer.emit(RunStart(world_size=world, mesh=dict(config.plan.mesh_dims()),
+                             coords=config.plan.rank_coords(rank), device=str(device),
+                             backend=dist.get_backend() if dist.is_initialized() else "none",
+                             n_params=config.model.n_params(), n_local_params=n_local, steps=config.train.steps))
+    losses = []
+    for _ in range(steps if steps is not None else config.train.steps):
+        metrics = train_step(trainer)
+        losses.append(metrics["loss"])
+        if writer is not None:
+            writer.emit(Step(**metrics))
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point under torchrun: ``python -m workbench.trainer <run_dir>/config.json``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m workbench.trainer runs/<id>/config.json", file=sys.stderr)
+        return 2
+    config_path = Path(argv[0])
+    run_dir = config_path.parent
+    rank = int(os.environ.get("RANK", "0"))
+    writer = EventWriter(run_dir, rank)
+    t_start = time.time()
+    step = 0
+    try:
+        config = RunConfig.load(str(config_path))
+        check_trainable(config)  # the launchers checked too; a hand-written config.json may not be
+        if config.train.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
+        init_distributed()
+        losses = run_training(config, writer)
+        step = len(losses)
+        writer.emit(RunEnd(status="ok", step=step, elapsed_s=time.time() - t_start))
+        writer.close()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        return 0
+    except BaseException as e:  # noqa: BLE001 - report everything, then die fast
+        message = f"rank {rank}: {type(e).__name__}: {e}"
+        try:
+            writer.emit(Error(error=message, traceback=traceback.format_exc()))
+            writer.emit(RunEnd(status="interrupted" if isinstance(e, KeyboardInterrupt) else "error",
+                               step=step, elapsed_s=time.time() - t_start))
+            writer.close()
+        finally:
+            print(f"[workbench] {message}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            # Exit now, without tearing down the process group (that could wait on peers that are
+            # blocked in a collective): torchrun sees the non-zero exit and stops the other ranks.
+            os._exit(1)
