@@ -238,17 +238,7 @@ def test_expert_parallel_equals_unsharded_moe(world4: Job) -> None:
             assert err < 1e-5, f"{key}: relative error {err:.2e}"
 
 
-# Until the trainer excludes expert weights from FSDP and reduces their gradients with
-# reduce_expert_grads (see expert_parallel.py's docstring), these runs fail at setup.
-NEEDS_INTEGRATION = pytest.mark.xfail(
-    reason="trainer integration of EP pending: FSDP ignored_params=expert_params(model), "
-    "an expert-data-parallel group, reduce_expert_grads before clipping",
-    strict=False,
-)
-
-
 @pytest.mark.multiprocess
-@NEEDS_INTEGRATION
 @pytest.mark.parametrize("world, layout", [(2, "ep=2,dp_shard=2"), (4, "dp_shard=4,ep=2")])
 def test_training_losses_equal_single_process(world: int, layout: str, reference, world4: Job, tmp_path) -> None:
     losses = world4.get(layout) if world == WORLD else Job(world, [layout], tmp_path).get(layout)

@@ -40,6 +40,8 @@ class Meshes:
     dims: dict[str, DeviceMesh] = field(default_factory=dict)
     ep_group: dist.ProcessGroup | None = None
     ep_mesh: DeviceMesh | None = None
+    # ranks that hold the same experts and different tokens: expert gradients are reduced here
+    expert_dp_group: dist.ProcessGroup | None = None
 
     def get(self, name: str) -> DeviceMesh | None:
         """The 1-D mesh of ``name`` (None when its degree is 1)."""
@@ -99,6 +101,11 @@ def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> Meshes:
             # Every rank must take part in creating every subgroup.
             out.ep_group, _ = dist.new_subgroups_by_enumeration(plan.group_ranks("ep"))
             out.ep_mesh = DeviceMesh.from_group(out.ep_group, device_type, mesh_dim_names=("ep",))
+        from .expert_parallel import expert_data_parallel_ranks
+
+        groups = expert_data_parallel_ranks(plan)
+        if len(groups[0]) > 1:
+            out.expert_dp_group, _ = dist.new_subgroups_by_enumeration(groups)
     return out
 
 

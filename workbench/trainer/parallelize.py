@@ -109,7 +109,8 @@ def apply_ac(model: Transformer, mode: str) -> None:
             raise ValueError(f"recompute={mode!r} is not one of none, selective, full")
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int = 3, mp_policy=None) -> None:
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int = 3, mp_policy=None,
+               ignored_params: set | None = None) -> None:
     """FSDP2 ``fully_shard``: each block, then the root (embeddings, final norm, output).
 
     ``reshard_after_forward = (zero_stage == 3)``: ZeRO-3 frees gathered parameters after the
@@ -122,12 +123,13 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int = 3, mp_
     mp_policy = mp_policy or MixedPrecisionPolicy()
     reshard = zero_stage == 3
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                    ignored_params=ignored_params)
     # The root's parameters are needed again right at the start of the backward: keep them.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, ignored_params=ignored_params)
 
 
-def apply_ddp(model: Transformer, dp_mesh: DeviceMesh, mp_policy=None) -> None:
+def apply_ddp(model: Transformer, dp_mesh: DeviceMesh, mp_policy=None, ignored_params: set | None = None) -> None:
     """Replicated data parallelism (DDP semantics: all-reduce of gradients, mean) over
     ``dp_mesh``, per block then root so gradients of late blocks are reduced while earlier
     blocks still compute. Uses FSDP2's ``replicate``, which composes with TP DTensors."""
@@ -136,8 +138,8 @@ def apply_ddp(model: Transformer, dp_mesh: DeviceMesh, mp_policy=None) -> None:
 
     mp_policy = mp_policy or MixedPrecisionPolicy()
     for block in model.layers.values():
-        replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
-    replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+        replicate(block, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
+    replicate(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored_params)
 
 
 def mixed_precision_policy(compute_dtype: torch.dtype):
@@ -156,20 +158,24 @@ def parallelize(model: Transformer, meshes, plan, recompute: str, compute_dtype:
         from .context_parallel import apply_cp  # written alongside; imported only when used
 
         apply_cp(model, meshes.get("cp"))
+    ignored = None
     if plan.ep > 1:
-        from .expert_parallel import apply_ep
+        from .expert_parallel import apply_ep, expert_params
 
         apply_ep(model, meshes.ep_mesh if meshes.ep_mesh is not None else meshes.ep_group)
+        # Experts are already sharded over EP; their gradients are reduced over the ranks that
+        # hold the same experts (train.py, reduce_expert_grads), not by FSDP/DDP.
+        ignored = set(expert_params(model)) or None
     if plan.tp > 1:
         apply_tp(model, meshes.get("tp"), plan.sequence_parallel, plan.loss_parallel)
     apply_ac(model, recompute)
     mp = mixed_precision_policy(compute_dtype)
     fsdp_mesh = meshes.fsdp_mesh()
     if fsdp_mesh is not None and plan.zero_stage > 0:
-        apply_fsdp(model, fsdp_mesh, plan.zero_stage, mp)
+        apply_fsdp(model, fsdp_mesh, plan.zero_stage, mp, ignored_params=ignored)
         return True
     dp_mesh = meshes.get("dp_cp") if fsdp_mesh is not None else meshes.get("dp_replicate")
     if dp_mesh is not None:
-        apply_ddp(model, dp_mesh, mp)
+        apply_ddp(model, dp_mesh, mp, ignored_params=ignored)
         return True
     return False

@@ -275,6 +275,11 @@ def train_step(trainer: Trainer) -> dict[str, Any]:
                 loss.backward()
                 local_loss += _plain(loss.detach()).float()
     _maybe_fail(trainer.rank, step)
+    if plan.ep > 1:
+        from .expert_parallel import reduce_expert_grads
+
+        for module in trainer.modules:
+            reduce_expert_grads(module, trainer.meshes.expert_dp_group)
     grad_norm = clip_grad_norm(trainer.params, t.grad_clip, trainer.meshes.group("pp"))
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
