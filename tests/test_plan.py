@@ -129,3 +129,28 @@ def test_run_config_json_round_trip():
     again = RunConfig.from_json(cfg.to_json())
     assert again == cfg
     assert again.n_microbatches == 8
+
+
+def test_split_layers_by_cost_balances_the_bottleneck():
+    from workbench.plan import split_layers_by_cost
+
+    # equal blocks, no extras: even split
+    assert split_layers_by_cost([1.0] * 8, 4) == (2, 2, 2, 2)
+    # an expensive output layer (big vocabulary) pushes blocks off the last stage
+    assert split_layers_by_cost([1.0] * 8, 2, output_cost=2.0) == (5, 3)
+    assert split_layers_by_cost([1.0] * 8, 2, embedding_cost=2.0) == (3, 5)
+    # brute force: the split minimises the slowest stage over every contiguous split
+    import itertools
+
+    costs, emb, out = [3, 1, 4, 1, 5, 9, 2, 6], 2.0, 3.0
+    best = min(
+        max(sum(costs[a:b]) + (emb if i == 0 else 0) + (out if i == 2 else 0)
+            for i, (a, b) in enumerate(zip((0, x, y), (x, y, 8))))
+        for x, y in itertools.combinations(range(1, 8), 2)
+    )
+    got = split_layers_by_cost(costs, 3, emb, out)
+    bounds = [0, got[0], got[0] + got[1], 8]
+    worst = max(sum(costs[bounds[i]:bounds[i + 1]]) + (emb if i == 0 else 0) + (out if i == 2 else 0) for i in range(3))
+    assert sum(got) == 8 and min(got) >= 1 and worst == best
+    with pytest.raises(ConfigError, match="3 layers cannot fill 4 stages"):
+        split_layers_by_cost([1, 1, 1], 4)

@@ -364,6 +364,57 @@ def split_layers(n_layers: int, n_stages: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
+def split_layers_by_cost(
+    layer_costs: list[float] | tuple[float, ...],
+    n_stages: int,
+    embedding_cost: float = 0.0,
+    output_cost: float = 0.0,
+) -> tuple[int, ...]:
+    """Contiguous layers per stage that minimise the slowest stage's cost (the pipeline's pace).
+
+    ``layer_costs`` are per block (e.g. measured forward + backward seconds); the embedding's cost
+    is charged to the first stage and the output layer's (final norm, projection, loss) to the
+    last, so those stages get fewer blocks. Exact: binary search on the bottleneck with a greedy
+    feasibility check (the linear-partition problem), every stage keeping >= 1 block.
+    """
+    n = len(layer_costs)
+    check_int("n_stages", n_stages)
+    require(n >= n_stages, f"{n} layers cannot fill {n_stages} stages", field="n_stages", value=n_stages)
+    costs = [float(c) for c in layer_costs]
+    require(min(costs) >= 0 and embedding_cost >= 0 and output_cost >= 0,
+            "layer costs must be >= 0", field="layer_costs")
+
+    def split(limit: float) -> list[int] | None:
+        counts, i = [], 0
+        for stage in range(n_stages):
+            budget = limit - (embedding_cost if stage == 0 else 0.0) - (output_cost if stage == n_stages - 1 else 0.0)
+            left = n_stages - stage - 1  # stages still to fill, each needs >= 1 block
+            used, k = 0.0, 0
+            while i + k < n - left and (k == 0 or used + costs[i + k] <= budget):
+                if k == 0 and costs[i] > budget:
+                    return None
+                used += costs[i + k]
+                k += 1
+            counts.append(k)
+            i += k
+        return counts if i == n else None
+
+    lo = max(max(costs), 0.0)
+    hi = sum(costs) + embedding_cost + output_cost
+    best = split(hi)
+    for _ in range(100):  # bisect the bottleneck to float precision
+        mid = (lo + hi) / 2
+        trial = split(mid)
+        if trial is None:
+            lo = mid
+        else:
+            hi, best = mid, trial
+        if hi - lo <= 1e-12 * max(hi, 1.0):
+            break
+    assert best is not None
+    return tuple(best)
+
+
 def _validate_schedule(plan: ParallelPlan, train: "TrainSettings") -> None:
     """Micro-batch and virtual-stage rules of each schedule, exactly as torch 2.13's
     torch.distributed.pipelining constructors have them (see :func:`workbench.schedule.check_schedule`)."""
