@@ -230,8 +230,10 @@ def format_bill(config: RunConfig, bill: Any) -> str:
 @click.option("--data-path", default=None, help="Text file or uint16 .bin for --dataset text/bin.")
 @click.option("--runs", "run_root", default="runs", show_default=True, help="Where run directories go.")
 @click.option("--run-id", default=None)
+@click.option("--balance-stages", is_flag=True, default=False,
+              help="Profile each layer, then split the pipeline stages by measured cost.")
 def train(model: str, plan_text: str, steps: int, config_path: str | None, run_root: str, run_id: str | None,
-          **overrides: Any) -> None:
+          balance_stages: bool, **overrides: Any) -> None:
     """Train the bundled model locally with torchrun; exits with the job's status."""
     from .launch.local import config_from_cli, train_local
 
@@ -240,6 +242,11 @@ def train(model: str, plan_text: str, steps: int, config_path: str | None, run_r
     else:
         given = {k: v for k, v in overrides.items() if v not in (None, False)}
         config = config_from_cli(model, plan_text, steps, **given)
+    if balance_stages:
+        from .trainer.profile import balance_stages as balance
+
+        config = balance(config)
+        click.echo(f"balanced stages (layers per stage): {list(config.plan.stage_layers or ())}")
     sys.exit(train_local(config, run_root=run_root, run_id=run_id, stream=click.echo))
 
 
