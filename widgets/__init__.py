@@ -1,0 +1,37 @@
+"""The workbench UI: Panel + HoloViews views over the planning API, for JupyterLab and the served app.
+
+In a notebook::
+
+    import widgets
+    widgets.extension()
+    state = widgets.PlanState()             # shared by the views below
+    widgets.ModelSketch(state)              # 1. the model
+    widgets.MemoryView(state)               # 2. its memory bill
+    widgets.MeshView(state)                 # 3. the mesh on the cluster
+    widgets.AdvisorView(state)              # 4. the plan advisor
+    widgets.PipelineView(state)             # 5. pipeline bubbles
+
+``widgets.create_app()`` composes them into one page; ``widgets.serve()`` serves it (one fresh
+state per browser session). Data transforms live in :mod:`widgets.transforms` (no UI imports).
+"""
+
+from .advisor_view import AdvisorView
+from .app import SECTIONS, create_app, extension, serve
+from .memory_view import MemoryView
+from .mesh_view import MeshView
+from .model_view import ModelSketch
+from .pipeline_view import PipelineView
+from .state import PlanState
+
+__all__ = [
+    "AdvisorView",
+    "MemoryView",
+    "MeshView",
+    "ModelSketch",
+    "PipelineView",
+    "PlanState",
+    "SECTIONS",
+    "create_app",
+    "extension",
+    "serve",
+]

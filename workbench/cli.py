@@ -214,6 +214,21 @@ def format_bill(config: RunConfig, bill: Any) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- serve
+@main.command()
+@click.option("--port", type=int, default=5006, show_default=True)
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="Interface to bind; anything but loopback requires --basic-auth.")
+@click.option("--basic-auth", default=None, help="A password, or a JSON file of {user: password}.")
+@click.option("--show", is_flag=True, default=False, help="Open a browser tab.")
+def serve(port: int, address: str, basic_auth: str | None, show: bool) -> None:
+    """Serve the workbench app (local-cpu cluster, tiny model, local kernels by default)."""
+    from widgets.app import serve as serve_app
+
+    click.echo(f"workbench app on http://{address}:{port}/ (Ctrl-C stops it)")
+    serve_app(port=port, address=address, show=show, basic_auth=basic_auth)
+
+
 # ---------------------------------------------------------------------------- train
 @main.command()
 @click.option("--model", default="tiny", show_default=True, help="Model preset.")

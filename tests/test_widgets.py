@@ -1,0 +1,341 @@
+"""The planning views' data transforms, checked against the planning API, and the views' behaviour
+without a browser (state changes, inline errors, the advisor filling the mesh)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+
+from workbench import (
+    Cluster,
+    ConfigError,
+    ModelSpec,
+    ParallelPlan,
+    RunConfig,
+    TrainSettings,
+    estimate_memory,
+    predict_step,
+    simulate_schedule,
+)
+from workbench.memory import COMPONENTS
+from widgets import transforms as T
+
+
+def config(model="llama3-8b", cluster="dgx-h100", nodes=2, precision="bf16-zero", train=None, **plan) -> RunConfig:
+    t = TrainSettings(**(train or {"seq_len": 4096})).with_precision(precision)
+    return RunConfig(ModelSpec.preset(model), Cluster.preset(cluster, nodes=nodes), ParallelPlan(**plan), t)
+
+
+# ---------------------------------------------------------------------------- model sketch
+@pytest.mark.parametrize("name", ModelSpec.presets())
+def test_form_values_round_trip_every_preset(name):
+    spec = ModelSpec.preset(name)
+    checked = T.build_model(T.model_form_values(spec))
+    assert checked.ok and checked.value == spec
+
+
+def test_auto_fields_follow_their_sources():
+    values = T.model_form_values(ModelSpec.preset("tiny"))
+    assert values["head_dim"] == 0  # derived: shown as auto
+    values["d_model"] = 128
+    spec = T.build_model(values).value
+    assert spec.head_dim == 128 // 4  # re-derived, not the stale 16
+
+
+def test_model_summary_is_the_spec_s_numbers():
+    spec = ModelSpec.preset("mixtral-8x7b")
+    s = T.model_summary(spec, 4096)
+    assert s["n_params"] == spec.n_params() == 46_702_792_704
+    assert s["n_active_params"] == spec.n_active_params() < spec.n_params()
+    assert s["flops_per_token"] == spec.flops_per_token(4096)
+
+
+def test_invalid_model_edit_gives_message_and_field_not_exception():
+    values = T.model_form_values(ModelSpec.preset("llama3-8b"))
+    values["n_kv_heads"] = 3
+    checked = T.build_model(values)
+    assert checked.value is None and checked.field == "n_kv_heads"
+    assert checked.error.startswith("n_kv_heads=3 does not divide n_heads=32")
+    values["n_kv_heads"] = None  # an emptied box
+    checked = T.build_model(values)
+    assert (checked.field, checked.error) == ("n_kv_heads", "n_kv_heads is empty: enter a number")
+    values["n_kv_heads"], values["top_k"] = 8, 2  # top_k without experts
+    assert T.build_model(values).field == "n_experts"
+
+
+def test_hf_config_text_import():
+    hf = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
+          "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 512, "vocab_size": 1000,
+          "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "tie_word_embeddings": False}
+    checked = T.parse_hf_config(json.dumps(hf).encode())
+    assert checked.ok
+    assert checked.value.n_params() == ModelSpec.from_hf_config(hf).n_params()
+    assert checked.value.n_experts == 8 and checked.value.qk_norm
+    bad = T.parse_hf_config('{"model_type": "llama",')
+    assert bad.field == "hf_config" and "not valid JSON" in bad.error
+    unsupported = T.parse_hf_config(json.dumps({**hf, "model_type": "bert"}))
+    assert not unsupported.ok and "bert" in unsupported.error
+
+
+def test_build_config_reports_the_field():
+    m = ModelSpec.preset("llama3-8b")
+    checked = T.build_config(m, "dgx-h100", 2, {"tp": 3}, {"seq_len": 4096}, "bf16-zero")
+    assert (checked.value, checked.field, checked.error) == (None, "tp", "tp=3 does not divide n_heads=32")
+    checked = T.build_config(m, "dgx-h100", 2, {"tp": 2, "pp": 2}, {"seq_len": 4096}, "bf16-zero")
+    assert checked.ok and checked.value.plan.dp_shard == 4
+    assert T.build_config(None, "dgx-h100", 1, {}, {}, "fp32").field == "model"
+    assert T.build_config(m, "dgx-h100", None, {}, {}, "fp32").field == "nodes"
+
+
+# ---------------------------------------------------------------------------- memory bill
+def test_memory_bars_equal_the_bill():
+    cfg = config(nodes=4, tp=2, pp=4, pp_schedule="interleaved-1f1b", virtual_stages=2)
+    bill = estimate_memory(cfg)
+    bars = T.memory_bars(bill)
+    peak = {r["component"]: r for r in bars["peak"]}
+    assert list(peak) == list(COMPONENTS)
+    for c in COMPONENTS:
+        assert peak[c]["bytes"] == bill.components[c]
+        assert peak[c]["value"] == pytest.approx(bill.components[c] / T.GiB)
+    assert sum(r["bytes"] for r in bars["peak"]) == bill.peak_bytes
+    assert {r["bar"] for r in bars["peak"]} == {f"rank {bill.most_loaded_rank}"}
+    # per pipeline rank: 4 bars, each stacking exactly its RankMemory
+    assert len(bars["stages"]) == 4 * len(COMPONENTS)
+    for r in bill.per_stage:
+        mine = [x for x in bars["stages"] if x["pp_rank"] == r.pp_rank]
+        assert [x["component"] for x in mine] == list(COMPONENTS)
+        assert sum(x["bytes"] for x in mine) == r.total_bytes
+        assert mine[0]["bar"] == f"pp {r.pp_rank} · stages {r.stages[0]}, {r.stages[1]}"
+    totals = [r.total_bytes for r in bill.per_stage]
+    assert totals[0] == max(totals) == bill.peak_bytes  # the first stage holds the most in flight
+
+
+def test_memory_summary_and_axis():
+    cfg = config(nodes=1, precision="fp32", zero_stage=0)  # 8B x 16 bytes unsharded: 120 GiB > 80 GiB
+    bill = estimate_memory(cfg)
+    s = T.memory_summary(bill)
+    fit = bill.fits()
+    assert (s["fits"], s["peak_bytes"], s["headroom_bytes"]) == (fit.fits, fit.peak_bytes, fit.headroom_bytes)
+    assert not s["fits"] and s["headroom_bytes"] < 0
+    ax = T.memory_axis(bill)
+    assert ax["unit_name"] == "GiB" and ax["show_hbm"] and ax["hbm"] == 80
+    assert ax["ymax"] * T.GiB >= bill.peak_bytes
+    tiny = estimate_memory(RunConfig(ModelSpec.preset("tiny"), Cluster.preset("local-cpu"), ParallelPlan(),
+                                     TrainSettings(seq_len=256).with_precision("fp32")))
+    ax = T.memory_axis(tiny)  # a few MiB against 4 GiB: zoom on the bill, say the line is off the chart
+    assert ax["unit_name"] == "MiB" and not ax["show_hbm"]
+    assert tiny.peak_bytes / T.MiB < ax["ymax"] < 1.2 * tiny.peak_bytes / T.MiB
+
+
+def test_memory_update_latency():
+    """Config change -> new bill -> bar data: the work of one update of the memory view. The aim is
+    ~100 ms for the whole update; the transform is a small part of it."""
+    from widgets.memory_view import BillChart, bill_chart_data
+    from widgets.state import PlanState
+
+    state = PlanState(model=ModelSpec.preset("llama3-70b"), cluster="dgx-h100", nodes=16, tp=8, pp=4,
+                      pp_schedule="interleaved-1f1b", virtual_stages=2, seq_len=8192, precision="bf16-zero")
+    assert state.config is not None, state.error
+    peak_chart, stage_chart = BillChart("peak", 230, False), BillChart("stages", 700, True)
+    transform, figures, full = [], [], []
+    for i, recompute in enumerate(["none", "selective", "full"] * 4):
+        t0 = time.perf_counter()
+        state.recompute = recompute  # validation: RunConfig built again
+        t1 = time.perf_counter()
+        bill = estimate_memory(state.config)
+        T.memory_bars(bill, T.memory_axis(bill)["unit"])
+        T.memory_summary(bill)
+        t2 = time.perf_counter()
+        data = bill_chart_data(state.config)
+        peak_chart.update(data["peak"], data["axis"])
+        stage_chart.update(data["stages"], data["axis"], data["title"])
+        t3 = time.perf_counter()
+        transform.append(t2 - t1)
+        figures.append(t3 - t2)
+        full.append(t3 - t0)
+    med = {k: statistics.median(v) * 1e3 for k, v in (("transform", transform), ("figures", figures), ("full", full))}
+    print(f"\nmemory view update, median ms: validate+bill+bars {med['full']:.2f} "
+          f"(bill+bars {med['transform']:.2f}, chart data replaced {med['figures']:.2f})")
+    assert med["transform"] < 20
+    assert med["full"] < 100
+    # the chart shows the bill: 4 pipeline ranks, each stack summing to its total
+    bill = estimate_memory(state.config)
+    cols = stage_chart.source.data
+    assert list(stage_chart.figure.x_range.factors) == [T.bar_label(r) for r in bill.per_stage]
+    for i, r in enumerate(bill.per_stage):
+        assert sum(cols[c][i] for c in COMPONENTS) == pytest.approx(r.total_bytes / T.GiB)
+    assert peak_chart.hbm.location == 80
+
+
+# ---------------------------------------------------------------------------- mesh
+def test_mesh_positions_and_colours_follow_the_plan():
+    cfg = config(nodes=4, tp=2, pp=2, cp=2)  # dp_shard = 32 / 8 = 4
+    plan, cluster = cfg.plan, cfg.cluster
+    for dim in T.COLOR_DIMS:
+        lay = T.mesh_layout(cluster, plan, dim)
+        groups = plan.group_ranks(dim)
+        assert lay.n_groups == len(groups)
+        assert [g["rank"] for g in lay.gpus] == list(range(32))
+        for g in lay.gpus:
+            r = g["rank"]
+            assert (g["node"], g["gpu"]) == divmod(r, 8)
+            coords = plan.rank_coords(r)
+            assert {k: g[k] for k in coords} == coords
+            assert r in groups[g["group"]]
+            assert g["color"] == T.PALETTE[g["group"] % len(T.PALETTE)]
+        for members in groups:  # one colour per group
+            assert len({lay.gpus[r]["color"] for r in members}) == 1
+    lay = T.mesh_layout(cluster, plan, "tp")
+    # geometry: nodes side by side, GPUs stacked in their node, every GPU inside its node's box
+    for g in lay.gpus:
+        box = lay.nodes[g["node"]]
+        assert g["x"] == g["node"] * T.NODE_PITCH and g["y"] == -g["gpu"]
+        assert box["x0"] < g["x"] < box["x1"] and box["y0"] < g["y"] < box["y1"]
+    assert sum(1 for s in lay.links if s["tier"] == "intra_node") == 4
+    assert sum(1 for s in lay.links if s["tier"] == "inter_node") == 4
+    assert len(lay.switches) == 1 and not lay.warnings
+
+
+def test_mesh_rows_and_warnings():
+    cfg = config("gpt3-175b", nodes=20, tp=16, train={"seq_len": 2048})  # TP across 2 nodes: warned
+    lay = T.mesh_layout(cfg.cluster, cfg.plan, "tp", nodes_per_row=16)
+    assert len(lay.switches) == 2  # 16 + 4 nodes in two rows joined by a spine line
+    assert lay.tiers["tp"] == "inter_node"
+    assert len(lay.warnings) == 1 and lay.warnings[0].startswith("tp=16 spans 2 nodes")
+    assert lay.gpus[16 * 8]["y"] < lay.gpus[0]["y"] - 8  # node 16 starts the second row
+
+
+def test_traffic_tables_equal_comms():
+    from workbench.comms import link_traffic, traffic_by_dim
+
+    cfg = config(nodes=2, tp=2, pp=2)
+    rows = T.dim_traffic_rows(cfg)
+    ref = traffic_by_dim(cfg)
+    assert {r["dim"] for r in rows} == set(ref)
+    for r in rows:
+        assert r["wire_bytes"] == ref[r["dim"]].wire_bytes and r["tier"] == ref[r["dim"]].tier
+    tiers = {r["tier"]: r for r in T.tier_rows(cfg)}
+    lt = link_traffic(cfg)
+    assert tiers["inter_node"]["bytes"] == lt["inter_node"] > 0  # the pipeline crosses nodes
+    assert tiers["intra_node"]["time_s"] == pytest.approx(lt["intra_node"] / 450e9)
+
+
+# ---------------------------------------------------------------------------- pipeline
+@pytest.mark.parametrize("schedule,pp,m,v", [("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2), ("zbv", 4, 8, 2),
+                                             ("gpipe", 2, 4, 1), ("dualpipev", 2, 4, 2)])
+def test_gantt_rectangles_are_the_simulated_actions(schedule, pp, m, v):
+    result = simulate_schedule(schedule, pp, m, v)
+    rects = T.gantt_rects(result.actions)
+    assert len(rects) == len(result.actions)
+    for rect, a in zip(rects, result.actions):
+        assert (rect["x0"], rect["x1"]) == (a.start, a.end)
+        assert rect["y0"] < a.rank < rect["y1"] and rect["yc"] == a.rank
+        assert (rect["stage"], rect["microbatch"], rect["kind"]) == (a.stage, a.microbatch, a.kind)
+        assert rect["color"] == T.KIND_COLORS[a.kind] and rect["label"] == str(a.microbatch)
+    assert T.bubble_fraction_of(result.actions) == pytest.approx(result.bubble_fraction)
+
+
+def test_measured_actions_use_the_same_transform():
+    measured = [  # two ranks, dicts as telemetry events carry them, with a wall-clock offset
+        {"rank": 0, "stage": 0, "microbatch": 0, "kind": "F", "start": 100.0, "end": 101.0},
+        {"rank": 1, "stage": 1, "microbatch": 0, "kind": "F", "start": 101.0, "end": 102.0},
+        {"rank": 1, "stage": 1, "microbatch": 0, "kind": "B", "start": 102.0, "end": 104.0},
+        {"rank": 0, "stage": 0, "microbatch": 0, "kind": "B", "start": 104.0, "end": 106.0},
+    ]
+    assert T.bubble_fraction_of(measured) == pytest.approx(1 - 6 / (2 * 6))
+    assert T.gantt_rects(measured)[2]["x1"] == 104.0
+    assert T.bubble_fraction_of([]) == 0.0
+
+
+# ---------------------------------------------------------------------------- advisor
+def test_advice_rows_and_plan_settings():
+    from workbench import advise
+
+    m, c = ModelSpec.preset("llama3-8b"), Cluster.preset("dgx-h100", nodes=2)
+    advice = advise(m, c, TrainSettings(seq_len=4096).with_precision("bf16-zero"), top=5)
+    rows = T.advice_rows(advice)
+    assert [r["#"] for r in rows] == [1, 2, 3, 4, 5]
+    for r, cand in zip(rows, advice):
+        assert r["plan"] == cand.plan.describe()
+        assert r["memory (GiB)"] == round(cand.memory.peak_bytes / T.GiB, 2)
+        assert r["step (ms)"] == round(cand.prediction.step_time_s * 1e3, 1)
+        assert r["MFU (%)"] == round(100 * cand.prediction.mfu, 1)
+    s = T.plan_settings(advice[0])
+    rebuilt = T.build_config(m, "dgx-h100", 2, {k: s[k] for k in T.PLAN_KEYS},
+                             {k: s[k] for k in T.TRAIN_KEYS}, s["precision"])
+    assert rebuilt.ok and rebuilt.value.plan == advice[0].plan and rebuilt.value.train == advice[0].train
+
+
+# ---------------------------------------------------------------------------- views (no browser)
+def test_views_share_state_and_show_errors_inline():
+    from widgets import AdvisorView, MemoryView, MeshView, ModelSketch, PipelineView, PlanState
+
+    state = PlanState()
+    sketch, memory, mesh = ModelSketch(state), MemoryView(state), MeshView(state)
+    for v in (sketch, memory, mesh):
+        v.panel()
+    assert state.config is not None and state.config.model == ModelSpec.preset("tiny")
+    sketch.preset = "llama3-8b"
+    assert state.model == ModelSpec.preset("llama3-8b") and sketch._editors["d_ff"].value == 14336
+    # an invalid field: message under it, no model downstream, no exception
+    sketch._editors["n_kv_heads"].value = 3
+    slot = sketch._errors._slots["n_kv_heads"]
+    assert slot.visible and "n_kv_heads=3 does not divide n_heads=32" in slot.object
+    assert state.model is None and state.config is None and state.error.startswith("model: n_kv_heads=3")
+    sketch._editors["n_kv_heads"].value = 8
+    assert state.model == ModelSpec.preset("llama3-8b") and not slot.visible
+    # a plan error shows next to tp in the mesh view, in the general alert of the memory view
+    state.apply(cluster="dgx-h100", nodes=2, seq_len=4096)
+    state.tp = 3
+    assert mesh._errors._slots["tp"].visible and "tp=3 does not divide n_heads=32" in mesh._errors._slots["tp"].object
+    assert memory._errors.general.visible
+    assert "—" in MemoryView.summary_html(state.config)
+    state.tp = 2
+    assert not mesh._errors._slots["tp"].visible and state.config.plan.tp == 2
+    # advisor -> mesh and memory
+    adv = AdvisorView(state, top=20)
+    adv.search()
+    pick = next(i for i, c in enumerate(adv.advice) if c.plan.pp > 1)
+    adv.choose(pick)
+    chosen = adv.advice[pick]
+    assert state.config.plan == chosen.plan and state.config.train == chosen.train
+    assert chosen.plan.describe() in MeshView.info_html(state.config, "pp")
+    assert T.format_bytes(chosen.memory.peak_bytes) in MemoryView.summary_html(state.config)
+    # pipeline: the plan's schedule with its predicted stage times
+    pipe = PipelineView(state)
+    assert pipe.use_plan()
+    res = pipe.simulate()
+    pred = predict_step(state.config)
+    assert (res.schedule, res.pp, res.n_microbatches) == (chosen.plan.pp_schedule, chosen.plan.pp,
+                                                          state.config.n_microbatches)
+    assert pipe.stage_times == tuple(pred.stage_times_s)
+
+
+def test_pipeline_view_invalid_input_is_shown_not_raised():
+    from widgets import PipelineView
+
+    pipe = PipelineView()
+    pipe.panel()
+    pipe.param.update(schedule="1f1b", pp=4, n_microbatches=2)
+    view = pipe._view()
+    slot = pipe._errors._slots["n_microbatches"]
+    assert slot.visible and "n_microbatches=2 &lt; pp=4" in slot.object  # HTML-escaped
+    assert "No timeline" in view.object
+    pipe.n_microbatches = 8
+    assert not slot.visible and pipe.simulate().bubble_fraction == pytest.approx(3 / 11)
+
+
+def test_app_sessions_do_not_share_state_and_serving_is_local_unless_authenticated():
+    from widgets import SECTIONS, create_app, serve
+
+    a, b = create_app(), create_app()
+    assert a.state is not b.state
+    a.state.nodes = 3
+    assert b.state.nodes == 1
+    assert list(a.views) == [t for t, _ in SECTIONS] and len(SECTIONS) == 5
+    with pytest.raises(ConfigError) as err:
+        serve(port=0, address="0.0.0.0")
+    assert err.value.field == "address" and "requires authentication" in str(err.value)

@@ -1,0 +1,147 @@
+"""The served workbench app: the planning views in one page, one fresh state per browser session.
+
+``create_app()`` builds the page (call it per session: ``pn.serve({"/": create_app})`` does);
+``serve()`` starts the server, on 127.0.0.1 unless told otherwise, and refuses any other address
+without authentication.
+
+The page is a list of sections (:data:`SECTIONS`, one tab each). The run views (launch, live run,
+compare runs) join the list when the trainer and launcher they drive exist; nothing stands in for
+them meanwhile.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from typing import Any, Callable
+
+import holoviews as hv
+import panel as pn
+
+from workbench import ConfigError, RunConfig, estimate_memory, predict_step
+
+from .advisor_view import AdvisorView
+from .memory_view import MemoryView
+from .mesh_view import MeshView
+from .model_view import ModelSketch
+from .pipeline_view import PipelineView
+from .state import PlanState
+from .transforms import format_bytes, format_count, format_rate, format_seconds
+from .ui import card, cards, html_pane
+
+LOCAL_ADDRESSES = ("127.0.0.1", "localhost", "::1")
+ACCENT = "#0b5394"
+
+# (tab title, view class): each view takes the shared PlanState. Later sections append here.
+SECTIONS: list[tuple[str, Callable[[PlanState], pn.viewable.Viewer]]] = [
+    ("1 · Model", ModelSketch),
+    ("2 · Memory", MemoryView),
+    ("3 · Mesh", MeshView),
+    ("4 · Advisor", AdvisorView),
+    ("5 · Pipeline", PipelineView),
+]
+
+
+def extension() -> None:
+    """Load what the views need (call once in a notebook, before showing a view)."""
+    pn.extension("tabulator", notifications=False)
+    hv.extension("bokeh", logo=False)
+
+
+def summary_html(config: RunConfig | None, error: str, model_name: str) -> str:
+    """The sidebar: what is being planned and its headline predictions."""
+    if config is None:
+        return cards([card("Configuration", "invalid", "summary-status", note=error, tone="bad")])
+    bill, pred = estimate_memory(config), predict_step(config)
+    fit = bill.fits()
+    c = config.cluster
+    return cards([
+        card("Model", model_name or "custom", "summary-model", note=f"{format_count(config.model.n_params())} parameters"),
+        card("Cluster", f"{c.nodes} × {c.gpus_per_node} {c.gpu.name}", "summary-cluster", note=c.name),
+        card("Plan", config.plan.describe(), "summary-plan",
+             note=f"mbs {config.train.micro_batch_size}, {config.n_microbatches} micro-batches, "
+                  f"{config.train.precision or 'custom'}"),
+        card("Peak memory", format_bytes(fit.peak_bytes), "summary-peak",
+             note=f"of {format_bytes(fit.hbm_bytes)}: " + ("fits" if fit.fits else "does NOT fit"),
+             tone="good" if fit.fits else "bad"),
+        card("Step time", format_seconds(pred.step_time_s), "summary-step",
+             note=f"MFU {pred.mfu:.1%}, bubble {pred.bubble_fraction:.1%}"),
+        card("Throughput", format_rate(pred.tokens_per_s_per_gpu), "summary-tps", note="tokens/s per GPU"),
+    ])
+
+
+def create_app(state: PlanState | None = None) -> pn.template.FastListTemplate:
+    """A fresh page (and, unless given, a fresh :class:`PlanState`): one per browser session."""
+    extension()
+    state = state or PlanState()
+    views = {title: make(state) for title, make in SECTIONS}
+    tabs = pn.Tabs(*[(title, view.panel()) for title, view in views.items()], dynamic=True,  # only the visible tab renders
+                   sizing_mode="stretch_width", margin=(0, 10))
+    summary = html_pane(pn.bind(lambda cfg, err, m: summary_html(cfg, err, m.name if m else ""),
+                                state.param.config, state.param.error, state.param.model))
+    template = pn.template.FastListTemplate(
+        title="workbench · plan a distributed training run",
+        sidebar=[pn.pane.Markdown("### Current plan", margin=(0, 10)), summary,
+                 pn.pane.Markdown("Model, cluster, mesh and settings are shared by every tab; an advisor "
+                                  "plan fills them all.", styles={"color": "#5a6570", "font-size": "12px"})],
+        main=[tabs],
+        accent=ACCENT,
+        header_background=ACCENT,
+        sidebar_width=300,
+        theme_toggle=False,
+    )
+    template.state = state  # type: ignore[attr-defined]  # for notebooks and tests
+    template.views = views  # type: ignore[attr-defined]
+    return template
+
+
+def _origins(address: str, port: int) -> list[str]:
+    if address in LOCAL_ADDRESSES:
+        return [f"127.0.0.1:{port}", f"localhost:{port}"]
+    if address in ("0.0.0.0", "::", ""):
+        return ["*"]  # any interface: the page is behind the login, so any Host may connect
+    return [f"{h}:{port}" for h in {address, socket.gethostname(), socket.getfqdn()}]
+
+
+def serve(port: int = 5006, address: str = "127.0.0.1", show: bool = False, basic_auth: str | None = None,
+          **kwargs: Any) -> Any:
+    """Serve the app (blocks). ``address`` other than 127.0.0.1/localhost needs ``basic_auth`` (a
+    password, or a JSON file of ``{"user": "password"}``): the app shows and later launches runs,
+    so it is never open to a network without a login. Extra keyword arguments go to ``pn.serve``.
+    """
+    if address not in LOCAL_ADDRESSES and not basic_auth:
+        raise ConfigError(
+            f"address={address!r} exposes the app beyond this machine: serving it there requires "
+            "authentication (basic_auth='password' or a JSON file of users, --basic-auth on the command line)",
+            field="address",
+            value=address,
+        )
+    opts: dict[str, Any] = {}
+    if basic_auth:
+        opts["basic_auth"] = basic_auth
+        opts["cookie_secret"] = kwargs.pop("cookie_secret", None) or secrets.token_hex(32)
+    opts.update(kwargs)
+    return pn.serve(
+        {"/": create_app}, port=port, address=address, show=show, title="workbench",
+        websocket_origin=_origins(address, port), **opts,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m widgets.app [--port N] [--address A] [--basic-auth PW] [--show]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m widgets.app", description=__doc__.splitlines()[0])
+    ap.add_argument("--port", type=int, default=5006)
+    ap.add_argument("--address", default="127.0.0.1")
+    ap.add_argument("--basic-auth", default=None)
+    ap.add_argument("--show", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        serve(port=a.port, address=a.address, show=a.show, basic_auth=a.basic_auth)
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""View 2, the memory bill: bytes per component on the most loaded rank and on every pipeline
+rank, against the GPU's HBM; toggles for recomputation, precision and ZeRO stage.
+
+The bill itself is ``workbench.estimate_memory`` (microseconds); the bars are
+:func:`widgets.transforms.memory_bars`, stacked in the bill's component order. The charts are
+plain Bokeh figures whose data is replaced in place, so a toggle costs milliseconds, not a new
+figure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import panel as pn
+import param
+from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d, Span
+from bokeh.plotting import figure
+
+from workbench import RunConfig, estimate_memory
+from workbench.memory import COMPONENTS
+
+from .state import PlanState
+from .transforms import COMPONENT_COLORS, format_bytes, memory_axis, memory_bars, memory_summary, stack_columns
+from .ui import FieldErrors, card, cards, html_pane, labelled, swatch, table
+
+
+class BillChart:
+    """A stacked-bar chart of memory components (Bokeh) whose data is replaced in place: an update
+    sends new column values, not a new figure (the ~100 ms budget of a toggle)."""
+
+    def __init__(self, title: str, width: int, legend: bool):
+        self.source = ColumnDataSource(data={"bar": [], "unit": [], **{c: [] for c in COMPONENTS}})
+        self.figure = figure(x_range=FactorRange(), y_range=Range1d(0, 1), height=380, width=width, title=title,
+                             toolbar_location=None, tools="")
+        renderers = self.figure.vbar_stack(
+            list(COMPONENTS), x="bar", width=0.65, source=self.source, line_color="white",
+            color=[COMPONENT_COLORS[c] for c in COMPONENTS],
+            **({"legend_label": list(COMPONENTS)} if legend else {}),
+        )
+        self.figure.add_tools(HoverTool(renderers=renderers, tooltips=[
+            ("rank", "@bar"), ("component", "$name"), ("size", "@$name{0,0.00} @unit")]))
+        self.hbm = Span(location=0, dimension="width", line_color="#c62828", line_dash="dashed", line_width=2)
+        self.figure.add_layout(self.hbm)
+        if legend:
+            self.figure.legend.location = "top_left"
+            self.figure.add_layout(self.figure.legend[0], "right")
+        self.figure.xgrid.grid_line_color = None
+        self.figure.title.text_font_size = "14px"
+
+    def update(self, records: list[dict[str, Any]], axis: dict[str, Any], title: str | None = None) -> None:
+        cols = stack_columns(records)
+        cols["unit"] = [axis["unit_name"]] * len(cols["bar"])
+        self.figure.x_range.factors = cols["bar"]
+        self.source.data = cols
+        self.figure.y_range.end = axis["ymax"]
+        self.figure.yaxis.axis_label = axis["unit_name"]
+        self.hbm.location = axis["hbm"]
+        if title is not None:
+            self.figure.title.text = title
+
+
+def bill_chart_data(config: RunConfig | None) -> dict[str, Any]:
+    """What the two charts show: bar records, the axis, and the per-stage chart's title."""
+    if config is None:
+        return {"peak": [], "stages": [], "title": "Per pipeline rank (no bill)",
+                "axis": {"unit_name": "GiB", "unit": 1 << 30, "ymax": 1.0, "hbm": 2.0, "show_hbm": False}}
+    bill = estimate_memory(config)
+    axis = memory_axis(bill)
+    bars = memory_bars(bill, axis["unit"])
+    note = (f"dashed: HBM {axis['hbm']:.0f} {axis['unit_name']}" if axis["show_hbm"]
+            else f"HBM {format_bytes(bill.hbm_bytes)} is far above")
+    return {**bars, "axis": axis, "title": f"Per pipeline rank ({note})"}
+
+
+class MemoryView(pn.viewable.Viewer):
+    """The memory bill of ``state.config`` (a fresh :class:`PlanState` when none is given)."""
+
+    state = param.ClassSelector(class_=PlanState)
+
+    def __init__(self, state: PlanState | None = None, **params: Any):
+        super().__init__(state=state or PlanState(), **params)
+        s = self.state.param
+        self._errors = FieldErrors("set it in the Model or Mesh tab")
+        self._controls = [
+            self._errors.wrap("recompute", labelled("recompute", pn.widgets.RadioButtonGroup.from_param(
+                s.recompute, color="primary", variant="outline", width=260))),
+            self._errors.wrap("precision", pn.widgets.Select.from_param(s.precision, label="precision", width=160)),
+            self._errors.wrap("zero_stage", labelled("zero_stage", pn.widgets.RadioButtonGroup.from_param(
+                s.zero_stage, color="primary", variant="outline", width=200))),
+            self._errors.wrap("seq_len", pn.widgets.IntInput.from_param(s.seq_len, label="seq_len", width=120)),
+            self._errors.wrap("micro_batch_size", pn.widgets.IntInput.from_param(
+                s.micro_batch_size, label="micro_batch_size", width=140)),
+            self._errors.wrap("global_batch_size", pn.widgets.IntInput.from_param(
+                s.global_batch_size, label="global_batch_size (0 = auto)", width=190)),
+        ]
+        self.state.param.watch(self._on_error, ["error", "error_field"])
+        self._on_error()
+        self._layout = None
+
+    def _on_error(self, *_: Any) -> None:
+        self._errors.show(self.state.error or None, self.state.error_field or None)
+
+    # ------------------------------------------------------------------ rendered pieces
+    @staticmethod
+    def summary_html(config: RunConfig | None) -> str:
+        if config is None:
+            return cards([card("Peak memory", "—", "peak-memory", note="invalid configuration", tone="bad")])
+        s = memory_summary(estimate_memory(config))
+        tone = "good" if s["fits"] else "bad"
+        verdict = "fits" if s["fits"] else "does not fit"
+        head = (f'{format_bytes(s["headroom_bytes"])} free ({s["headroom_fraction"]:.0%})' if s["fits"]
+                else f'over by {format_bytes(-s["headroom_bytes"])}')
+        rows = [
+            (swatch(COMPONENT_COLORS[c]), c, format_bytes(b), f"{b / s['peak_bytes']:.1%}")
+            for c, b in s["components"].items()
+        ]
+        return cards([
+            card("Peak memory", format_bytes(s["peak_bytes"]), "peak-memory",
+                 note=f'rank {s["most_loaded_rank"]} (pp rank {s["pp_rank"]})', tone=tone),
+            card("GPU memory", format_bytes(s["hbm_bytes"]), "hbm", note=config.cluster.gpu.name),
+            card("Verdict", verdict, "fit-status", note=head, tone=tone),
+        ]) + table(["", "component", "bytes", "share"], rows, testid="memory-components", numeric=(2, 3))
+
+    def _figures(self) -> pn.Row:
+        self._peak_chart = BillChart("Most loaded rank", 230, legend=False)
+        self._stage_chart = BillChart("Per pipeline rank", 620, legend=True)
+        self.state.param.watch(lambda _e: self._update_charts(), "config")
+        self._update_charts()
+        return pn.Row(pn.pane.Bokeh(self._peak_chart.figure), pn.pane.Bokeh(self._stage_chart.figure))
+
+    def _update_charts(self) -> None:
+        data = bill_chart_data(self.state.config)
+        self._peak_chart.update(data["peak"], data["axis"])
+        self._stage_chart.update(data["stages"], data["axis"], data["title"])
+
+    def panel(self) -> pn.viewable.Viewable:
+        if self._layout is None:
+            cfg = self.state.param.config
+            self._layout = pn.Column(
+                pn.FlexBox(*self._controls),
+                self._errors.general,
+                pn.Row(
+                    html_pane(pn.bind(self.summary_html, cfg), width=430),
+                    self._figures(),
+                ),
+                pn.pane.Markdown(
+                    "Components per ZeRO (Rajbhandari et al. 2020) and activation memory per Korthikanti et al. "
+                    "2022; *overhead* is the CUDA context plus allocator fragmentation. The first pipeline rank "
+                    "holds the most micro-batches in flight; the last holds the output layer and the logits.",
+                    styles={"color": "#5a6570", "font-size": "12px"},
+                ),
+                sizing_mode="stretch_width",
+            )
+        return self._layout
+
+    def __panel__(self) -> pn.viewable.Viewable:
+        return self.panel()
+
+
+__all__ = ["BillChart", "MemoryView", "bill_chart_data"]
