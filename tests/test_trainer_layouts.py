@@ -194,7 +194,8 @@ def test_train_local_writes_the_run_directory(tmp_path):
     events = run.events()
     assert find_gaps(events) == {}
     for rank in (0, 1):
-        kinds = [e["kind"] for e in events if e["rank"] == rank]
+        # the run's own kinds (instrumentation adds collectives, memory... per step: test_compare.py)
+        kinds = [e["kind"] for e in events if e["rank"] == rank and e["kind"] in ("run_start", "step", "run_end")]
         assert kinds == ["run_start", "step", "step", "step", "run_end"], kinds
     steps = run.steps()
     assert [e["step"] for e in steps] == [0, 1, 2]

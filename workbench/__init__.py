@@ -14,6 +14,8 @@ from .schedule import simulate_schedule
 from .perf import StepPrediction, predict_step
 from .advisor import PlanCandidate, advise
 from .cost import estimate_cost
+from . import launch  # noqa: E402  (callable: workbench.launch(config, backend="local"))
+from .launch import open_run
 
 __version__ = "0.1.0"
 
@@ -23,6 +25,8 @@ __all__ = [
     "StepPrediction",
     "advise",
     "estimate_cost",
+    "launch",
+    "open_run",
     "estimate_memory",
     "predict_step",
     "simulate_schedule",

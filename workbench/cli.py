@@ -8,6 +8,7 @@ command prints its one-line message and exits with code 2, never a traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any, Callable
 
@@ -247,11 +248,21 @@ def serve(port: int, address: str, basic_auth: str | None, show: bool) -> None:
 @click.option("--run-id", default=None)
 @click.option("--balance-stages", is_flag=True, default=False,
               help="Profile each layer, then split the pipeline stages by measured cost.")
+@click.option("--checkpoint-every", type=int, default=None, help="Checkpoint every N steps (and at the end).")
+@click.option("--checkpoint-async", is_flag=True, default=False, help="Save with torch.distributed.checkpoint's async_save.")
+@click.option("--checkpoint-keep", type=int, default=None, help="Keep the last K committed checkpoints (default 3).")
+@click.option("--max-restarts", type=int, default=0, show_default=True, help="torchrun restarts after a fault.")
+@click.option("--resume", "resume_dir", type=click.Path(), default=None,
+              help="Continue runs/<id> from its latest good checkpoint.")
 def train(model: str, plan_text: str, steps: int, config_path: str | None, run_root: str, run_id: str | None,
-          balance_stages: bool, **overrides: Any) -> None:
+          balance_stages: bool, max_restarts: int, resume_dir: str | None, **overrides: Any) -> None:
     """Train the bundled model locally with torchrun; exits with the job's status."""
-    from .launch.local import config_from_cli, train_local
+    from .launch.local import config_from_cli, resume_local, train_local
 
+    if resume_dir:
+        if not os.path.exists(os.path.join(resume_dir, "config.json")):
+            raise ConfigError(f"resume={resume_dir!r} is not a run directory (no config.json)", field="resume")
+        sys.exit(resume_local(resume_dir, stream=click.echo, max_restarts=max_restarts))
     if config_path:
         config = RunConfig.load(config_path)
     else:
@@ -262,7 +273,73 @@ def train(model: str, plan_text: str, steps: int, config_path: str | None, run_r
 
         config = balance(config)
         click.echo(f"balanced stages (layers per stage): {list(config.plan.stage_layers or ())}")
-    sys.exit(train_local(config, run_root=run_root, run_id=run_id, stream=click.echo))
+    sys.exit(train_local(config, run_root=run_root, run_id=run_id, stream=click.echo, max_restarts=max_restarts))
+
+
+# ---------------------------------------------------------------------------- compare
+@main.command()
+@click.argument("run_dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
+def compare(run_dir: str, as_json: bool) -> None:
+    """Predicted next to measured for a run: memory, bubble, collective bytes, step time."""
+    from .compare import compare_run
+
+    if not os.path.exists(os.path.join(run_dir, "config.json")):
+        raise ConfigError(f"run_dir={run_dir!r} is not a run directory (no config.json)", field="run_dir")
+    comparison = compare_run(run_dir)
+    click.echo(json.dumps(comparison.to_dict(), indent=2) if as_json else comparison.format())
+
+
+# ---------------------------------------------------------------------------- bench, calibrate
+@main.group()
+def bench() -> None:
+    """Measure the cluster: collectives over the plan's real process groups, and matmul FLOP/s."""
+
+
+@bench.command("comms")
+@click.option("--cluster", "cluster_name", default="local-cpu", show_default=True,
+              help="Cluster preset or a cluster JSON file.")
+@click.option("--nodes", type=int, default=2, show_default=True)
+@click.option("--plan", "plan_text", default="", help='Plan whose groups to measure, e.g. "tp=2,dp_shard=2".')
+@click.option("--backend", type=click.Choice(["local"]), default="local", show_default=True,
+              help="How processes start (torchrun on this machine).")
+@click.option("--max-bytes", type=int, default=None, help="Largest message (default 256 MiB on GPU, 16 MiB on CPU).")
+@click.option("--runs", "run_root", default="runs", show_default=True)
+def bench_comms(cluster_name: str, nodes: int, plan_text: str, backend: str, max_bytes: int | None, run_root: str) -> None:
+    """All-reduce, all-gather, reduce-scatter, all-to-all and send/recv from 8 B up, per group dimension."""
+    from .bench import format_table, run_comms_benchmark
+
+    cluster = load_cluster(cluster_name, nodes)
+    results = run_comms_benchmark(cluster, plan_text or None, run_root, max_bytes=max_bytes, stream=click.echo)
+    click.echo(format_table(results))
+    click.echo(f"results: {results.path}")
+
+
+@bench.command("compute")
+@model_options
+@click.option("--tp", type=int, default=1, show_default=True)
+@click.option("--tokens", type=int, default=None, help="Tokens per GEMM (M dimension).")
+@click.option("-o", "--output", type=click.Path(), default=None, help="Write the results JSON here.")
+def bench_compute(model: str, hf_config: str | None, tp: int, tokens: int | None, output: str | None) -> None:
+    """Achieved matmul FLOP/s per dtype at the GEMM shapes of the model on one TP rank."""
+    from .bench import format_table, run_compute_benchmark
+
+    results = run_compute_benchmark(build_model(model, hf_config), tp=tp, tokens=tokens, out_path=output)
+    click.echo(format_table(results))
+
+
+@main.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("-o", "--output", type=click.Path(), required=True, help="The calibrated cluster JSON to write.")
+def calibrate(results: tuple[str, ...], output: str) -> None:
+    """Fit latency and bandwidth per link tier and collective (and FLOP/s) to benchmark results."""
+    from .bench import calibration_report, format_fit
+
+    report = calibration_report(list(results))
+    with open(output, "w") as f:
+        f.write(report.cluster.to_json())
+    click.echo(format_fit(report))
+    click.echo(f"calibrated cluster: {output} (use it as: workbench plan --cluster {output})")
 
 
 # ---------------------------------------------------------------------------- plan

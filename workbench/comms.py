@@ -321,6 +321,8 @@ class _Unit:
     dense: float
     experts: float
     count: int
+    # FSDP all-gathers of one such unit per step, (forward, backward): see _fsdp_gathers
+    gathers: tuple[int, int] = (0, 0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -370,6 +372,9 @@ def step_collectives(config: "RunConfig", pp_rank: int | None = None) -> list[Co
     T = b s / cp tokens per rank per micro-batch, L layers held by this rank, P a unit's TP-local
     parameters. Not modelled: FSDP padding of uneven shards, the scalar all-reduces of gradient
     clipping and loss logging, and the embedding-gradient all-reduce of tied embeddings under PP.
+    The data-parallel traffic is the bundled trainer's (FSDP2 units per block and per stage root,
+    one reduction per step: :func:`_gradient_sync`), checked call for call against its measured
+    collectives by tests/test_compare.py.
     """
     plan = config.plan
     if pp_rank is None:
@@ -404,20 +409,30 @@ def _rank_collectives(config: "RunConfig", pp_rank: int) -> list[Collective]:
     has_first = any(x[3] for x in layout)
     has_last = any(x[4] for x in layout)
 
-    # FSDP units in forward order of the rank's first stage: the embedding, or a block.
+    # FSDP units as the bundled trainer wraps them (parallelize.apply_fsdp): one per block, and
+    # the root module of each stage (embedding, final norm and output projection together,
+    # never resharded after forward). The root leads the forward when the rank holds stage 0.
     (pd, ed), (pm, em), p_emb, p_out = _unit_params(model, t, ep)
+    gathers = _fsdp_gathers(plan, m, pp_rank)
     units = []
-    if has_first:
-        units.append(_Unit("embedding", p_emb, 0.0, 1))
-    if dense_layers:
-        units.append(_Unit("dense block", pd, ed, dense_layers))
-    if moe_layers:
-        units.append(_Unit("MoE block", pm, em, moe_layers))
-    if has_last:
-        units.append(_Unit("output", p_out, 0.0, 1))
-    _, first_dense, _, first_is_stage0 = layout[0][:4]
-    first_unit = "embedding" if first_is_stage0 else ("dense block" if first_dense else "MoE block")
+    root = (p_emb if has_first else 0.0) + (p_out if has_last else 0.0)
+    if root:
+        stage = next(x[0] for x in layout if x[3] or x[4])
+        units.append(_Unit("root (embedding, output)", root, 0.0, 1, gathers[stage][1]))
+    for stage, n_dense, n_moe, *_ in layout:
+        if n_dense:
+            units.append(_Unit("dense block", pd, ed, n_dense, gathers[stage][0]))
+        if n_moe:
+            units.append(_Unit("MoE block", pm, em, n_moe, gathers[stage][0]))
+    first_unit = units[0].name if units else ""
     _gradient_sync(b, plan, train, units, first_unit, m)
+    if t > 1 and sp > 1 and layers:
+        # Norm weights are replicated over TP while SP gives each rank a slice of the tokens: their
+        # gradients are partial sums, all-reduced once per step (torch's SequenceParallel; Megatron's
+        # "sequence-parallel gradient all-reduce"). 2 per block, plus the final norm.
+        n_norms = 2 * layers + (1 if has_last else 0)
+        b.add("tp", "all_reduce", "backward", "SP all-reduce of norm-weight gradients",
+              model.d_model * DTYPE_BYTES[train.grad_dtype], n_norms, False)
 
     d_model = model.d_model
     act = tokens * d_model * e  # T x d_model activation, full size (nccl-tests S of AG output / RS input)
@@ -485,13 +500,49 @@ def _rank_collectives(config: "RunConfig", pp_rank: int) -> list[Collective]:
     return b.out
 
 
-def _gradient_sync(b: _Builder, plan: ParallelPlan, train: "TrainSettings", units: list[_Unit], first_unit: str, m: int) -> None:
-    """ZeRO / FSDP / DDP traffic of every unit, for dense parameters and routed experts.
+def _fsdp_gathers(plan: ParallelPlan, m: int, pp_rank: int) -> dict[int, tuple[tuple[int, int], tuple[int, int]]]:
+    """FSDP2 all-gathers per step of one block and of the root module of each stage of
+    ``pp_rank``: ``{stage: ((block forward, block backward), (root forward, root backward))}``.
 
-    * zero 3 (FSDP2, reshard after forward): per unit per micro-batch an all-gather of P e
-      (compute dtype) in forward, again in backward, and a reduce-scatter of P g in backward (FSDP2
-      reduces every micro-batch under gradient accumulation): 2 P e + P g per unit per micro-batch.
-    * zero 2 (parameters kept unsharded from forward to backward): no backward all-gather.
+    A unit is gathered when it is needed and sharded: blocks are resharded after forward under
+    zero 3 (``reshard_after_forward``), the root never is. Without a pipeline the trainer runs
+    m forward/backward pairs and FSDP reshards after each backward: a block gathers m times in
+    forward (and m in backward under zero 3), the root m times in forward. Under
+    torch.distributed.pipelining, backward keeps parameters unsharded until the step's reduction
+    (``set_reshard_after_backward(False)``), so the count follows the schedule's order of F and B
+    (:func:`workbench.schedule.schedule_order`): e.g. 1F1B, p = 2, m = 4 on rank 0 gathers a
+    zero-3 block 5 times (F0, F1, B0, B1, B2), GPipe 5 (F0..F3, B0), the root once."""
+    z3 = plan.zero_stage == 3
+    if plan.pp == 1:
+        return {0: ((m, m if z3 else 0), (m, 0))}
+    from .schedule import schedule_order  # schedule imports plan only; import where needed
+
+    order = schedule_order(plan.pp_schedule, plan.pp, m, plan.virtual_stages)[pp_rank]
+    out = {}
+    for stage in plan.stages_of_rank(pp_rank):
+        counts = []
+        for reshard_after_forward in (z3, False):
+            sharded, fwd, bwd = True, 0, 0
+            for kind, s, _ in order:
+                if s != stage or kind == "W":  # W reuses what I (its input-gradient half) gathered
+                    continue
+                if sharded:
+                    fwd, bwd = (fwd + 1, bwd) if kind == "F" else (fwd, bwd + 1)
+                sharded = kind == "F" and reshard_after_forward
+            counts.append((fwd, bwd))
+        out[stage] = (counts[0], counts[1])
+    return out
+
+
+def _gradient_sync(b: _Builder, plan: ParallelPlan, train: "TrainSettings", units: list[_Unit], first_unit: str, m: int) -> None:
+    """ZeRO / FSDP / DDP traffic of every unit, for dense parameters and routed experts, as the
+    bundled trainer runs it (FSDP2 ``fully_shard`` per block and per stage root).
+
+    * zero 3 (FSDP2, reshard after forward) and zero 2: all-gathers of P e (compute dtype) as
+      :func:`_fsdp_gathers` counts them (forward and, zero 3, backward); one reduce-scatter of
+      P g per unit per step: the trainer turns gradient synchronisation off for all but the
+      last micro-batch (``set_requires_gradient_sync``; pipelining does the same and reduces once
+      at the end), so gradients accumulate unsharded and are reduced once.
     * zero 1: once per step a reduce-scatter of P g in backward and an all-gather of the updated
       P w (parameter dtype) after the optimizer step.
     * zero 0, or nothing to shard: once per step an all-reduce of P g over all data ranks (DDP).
@@ -516,11 +567,10 @@ def _gradient_sync(b: _Builder, plan: ParallelPlan, train: "TrainSettings", unit
             lead = 1 if u.name == first_unit and kind == "dense" else 0  # the exposed call
             label = f"{u.name} {what}"
             if z >= 2 and n_shard > 1:
-                calls = u.count * m
-                b.add_split(shard_dim, "all_gather", "forward", f"FSDP all-gather of {label}", p * e, calls, lead)
-                if z == 3:
-                    b.add(shard_dim, "all_gather", "backward", f"FSDP all-gather of {label}", p * e, calls, True)
-                b.add_split(shard_dim, "reduce_scatter", "backward", f"FSDP reduce-scatter of {label} gradients", p * g, calls, lead)
+                fwd, bwd = u.gathers
+                b.add_split(shard_dim, "all_gather", "forward", f"FSDP all-gather of {label}", p * e, u.count * fwd, lead)
+                b.add(shard_dim, "all_gather", "backward", f"FSDP all-gather of {label}", p * e, u.count * bwd, True)
+                b.add_split(shard_dim, "reduce_scatter", "backward", f"FSDP reduce-scatter of {label} gradients", p * g, u.count, lead)
             elif z == 1 and n_shard > 1:
                 b.add_split(shard_dim, "reduce_scatter", "backward", f"ZeRO-1 reduce-scatter of {label} gradients", p * g, u.count, lead)
                 b.add_split(shard_dim, "all_gather", "step", f"ZeRO-1 all-gather of updated {label}", p * w, u.count, lead)

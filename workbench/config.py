@@ -80,9 +80,17 @@ class TrainSettings:
     deterministic: bool = False
     dataset: str = "pydoc"
     data_path: str | None = None
-    checkpoint_every: int = 0
+    checkpoint_every: int = 0  # save every N steps (and at the end); 0: never
+    checkpoint_async: bool = False  # dcp.async_save: stage to CPU, write in the background
+    checkpoint_keep: int = 3  # keep the last k committed checkpoints
     moe_aux_loss_coeff: float = 0.01
     moe_capacity_factor: float = 0.0  # 0: dropless
+    # Instrumentation and guards (workbench/trainer/instrument.py). A fired guard stops the run
+    # cleanly after that step (final checkpoint when checkpointing is on) with a "guard" event.
+    instrument: bool = True  # measure collectives, pipeline actions, memory (env WORKBENCH_INSTRUMENT=0: off)
+    guard_nonfinite: bool = True  # stop on a non-finite loss or gradient norm
+    guard_grad_spike: float = 0.0  # stop when grad_norm > k x its running median (k > 1; 0: off)
+    guard_min_tokens_per_s: float = 0.0  # stop when global tokens/s falls under this floor (0: off)
 
     def __post_init__(self) -> None:
         check_int("seq_len", self.seq_len)
@@ -108,11 +116,22 @@ class TrainSettings:
         if self.dataset in ("text", "bin"):
             require(self.data_path is not None, f"dataset={self.dataset!r} needs data_path", field="data_path")
         check_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        require(isinstance(self.checkpoint_async, bool), f"checkpoint_async={self.checkpoint_async!r} must be true or false",
+                field="checkpoint_async", value=self.checkpoint_async)
+        check_int("checkpoint_keep", self.checkpoint_keep, minimum=1)
         require(
             self.moe_capacity_factor == 0 or self.moe_capacity_factor >= 1,
             f"moe_capacity_factor={self.moe_capacity_factor} must be 0 (dropless) or >= 1",
             field="moe_capacity_factor",
         )
+        for f in ("instrument", "guard_nonfinite"):
+            require(isinstance(getattr(self, f), bool), f"{f}={getattr(self, f)!r} must be true or false",
+                    field=f, value=getattr(self, f))
+        check_positive("guard_grad_spike", self.guard_grad_spike, allow_zero=True)
+        require(self.guard_grad_spike == 0 or self.guard_grad_spike > 1,
+                f"guard_grad_spike={self.guard_grad_spike} must be 0 (off) or > 1 (k x the running median)",
+                field="guard_grad_spike", value=self.guard_grad_spike)
+        check_positive("guard_min_tokens_per_s", self.guard_min_tokens_per_s, allow_zero=True)
         object.__setattr__(self, "betas", tuple(self.betas))
 
     @staticmethod

@@ -211,6 +211,8 @@ def activation_bytes_per_layer(
     plan: ParallelPlan,
     moe: bool = False,
     recompute: str | None = None,
+    *,
+    bundled: bool = False,
 ) -> float:
     """Bytes one block saves for backward, for one micro-batch on one rank.
 
@@ -235,6 +237,14 @@ def activation_bytes_per_layer(
     experts' hidden activations as for the MLP on s*b*k tokens, the experts' outputs e*sb*k*h
     (kept for the gate-weighted combine), and the shared experts' hidden activations.
     Norm statistics (a few floats per token) are neglected, as in the paper.
+
+    ``bundled=True`` adds what the bundled trainer (torch TP, its own ring attention) keeps beyond
+    the paper's accounting, as measured by its saved-tensor hooks (workbench/trainer/instrument.py):
+    under sequence parallelism torch's ``PrepareModuleInput`` + ``ColwiseParallel`` keep the
+    all-gathered, full-sequence input of the QKV and MLP linears (Megatron keeps its 1/t shard
+    and all-gathers again in backward, Korthikanti section 4.2.2); the context-parallel ring keeps
+    its fp32 output besides the output projection's input; RoPE's cos and sin (2 s hd e per layer,
+    not per sequence). :func:`estimate_memory` bills the bundled trainer.
     """
     recompute = train.recompute if recompute is None else recompute
     e = DTYPE_BYTES[train.compute_dtype]
@@ -275,6 +285,13 @@ def activation_bytes_per_layer(
         act += per_hidden * e * sb * model.d_ff / t
     if drop:
         act += sb * h / sp  # dropout mask after the MLP
+    if bundled:
+        if sp > 1:
+            act += 2 * e * sb * h * (1 - 1 / sp)  # QKV and MLP inputs kept all-gathered (whole, not / t)
+        if plan.cp > 1 and recompute != "selective":
+            act += 4 * sb * model.q_dim / t  # ring attention's fp32 output
+        if model.position == "rope":
+            act += 2 * e * (train.seq_len / plan.cp) * model.head_dim  # cos, sin
     return act
 
 
@@ -324,8 +341,8 @@ def estimate_memory(config: RunConfig) -> MemoryBill:
     boundary = e * sb * model.d_model / sp  # activation crossing a pipeline boundary
     zero_d = plan.shard_degree
     zero_e = max(1, plan.shard_degree // plan.ep)
-    dense_layer_act = activation_bytes_per_layer(model, train, plan, moe=False)
-    moe_layer_act = activation_bytes_per_layer(model, train, plan, moe=True) if model.is_moe else 0.0
+    dense_layer_act = activation_bytes_per_layer(model, train, plan, moe=False, bundled=True)
+    moe_layer_act = activation_bytes_per_layer(model, train, plan, moe=True, bundled=True) if model.is_moe else 0.0
     stride = config.world_size // plan.pp
     context = config.cluster.gpu.context_bytes
     out = []
@@ -353,7 +370,7 @@ def estimate_memory(config: RunConfig) -> MemoryBill:
             act += held * per_mb
             if train.recompute == "full":
                 # backward recomputes one block at a time: its full activations are live once
-                full_layer = activation_bytes_per_layer(model, train, plan, moe=n_moe > 0, recompute="none")
+                full_layer = activation_bytes_per_layer(model, train, plan, moe=n_moe > 0, recompute="none", bundled=True)
                 working_layer = max(working_layer, full_layer)
             # torch.distributed.pipelining's PipelineStage allocates a receive buffer per
             # micro-batch: activations on every stage but the first, gradients on all but the last.

@@ -18,7 +18,7 @@ from ..cluster import Cluster
 from ..config import RunConfig, TrainSettings
 from ..model import ModelSpec
 from ..plan import ParallelPlan
-from ..telemetry.events import read_events
+from ..telemetry.events import next_seq, read_events
 from ..telemetry.rundir import create_run_dir
 from ..trainer.support import check_trainable
 
@@ -50,33 +50,84 @@ def format_step(event: dict[str, Any], total: int) -> str:
             f"lr {event['lr']:.1e}  {event['tokens_per_s']:,.0f} tok/s  {event['step_time_s']:.2f} s")
 
 
-def torchrun_command(config_path: Path, nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "workbench.trainer", str(config_path)]
+def torchrun_command(config_path: Path, nproc: int, resume: bool = False, max_restarts: int = 0) -> list[str]:
+    """``torchrun --standalone --nproc_per_node=N [--max-restarts=R] -m workbench.trainer config.json [--resume]``.
+
+    With ``max_restarts`` > 0 torchrun restarts every rank when one dies; the restarted trainer
+    resumes from the latest good checkpoint by itself (it sees ``TORCHELASTIC_RESTART_COUNT``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    if max_restarts:
+        cmd.append(f"--max-restarts={max_restarts}")
+    cmd += ["-m", "workbench.trainer", str(config_path)]
+    return cmd + (["--resume"] if resume else [])
+
+
+def format_event(event: dict[str, Any], total: int) -> str | None:
+    """The progress line of an event, or None for events not shown (other ranks' steps, phases of
+    a checkpoint before it is committed...)."""
+    kind, rank = event["kind"], event.get("rank")
+    if kind == "step" and rank == 0:
+        return format_step(event, total)
+    if kind == "error":
+        return f"error: {event['error']}"
+    if kind == "checkpoint" and event.get("phase") == "committed":
+        return f"checkpoint {Path(event['path']).name} committed ({event['bytes'] / 1e6:.1f} MB, {event['duration_s']:.2f} s)"
+    if kind == "checkpoint_rejected":
+        return f"checkpoint {Path(event['path']).name} rejected: {event['reason']}"
+    if kind == "fault":
+        return f"fault: rank {rank} {event['cause']} after step {event['last_step']} (attempt {event['attempt']}): {event['detail']}"
+    if kind == "restart" and rank == 0:
+        return f"restart: attempt {event['attempt']}" + (f" of at most {event['max_restarts']}" if event.get("max_restarts") else "")
+    if kind == "resume" and rank == 0:
+        where = Path(event["path"]).name if event.get("path") else "the start (no good checkpoint)"
+        return f"resume at step {event['step']} from {where}" + (" (resharded)" if event.get("resharded") else "")
+    return None
 
 
 def train_local(config: RunConfig, run_root: str | os.PathLike = "runs", run_id: str | None = None,
-                stream: Callable[[str], None] = print, env: dict[str, str] | None = None) -> int:
+                stream: Callable[[str], None] = print, env: dict[str, str] | None = None,
+                max_restarts: int = 0) -> int:
     """Create the run directory, run torchrun with one process per rank, stream one line per
-    step (from rank 0's events) and every error event; return the job's exit status."""
+    step (from rank 0's events), every error, checkpoint commit, fault, restart and resume; return
+    the job's exit status. ``max_restarts``: torchrun restarts the job that many times at most."""
     check_trainable(config)  # before any process starts
     run_dir = create_run_dir(config, run_root, run_id)
     stream(f"run {run_dir}  ({config.world_size} ranks, {config.plan.describe()})")
+    return _run_torchrun(run_dir, config, stream, env, resume=False, max_restarts=max_restarts)
+
+
+def resume_local(run_dir: str | os.PathLike, stream: Callable[[str], None] = print,
+                 env: dict[str, str] | None = None, max_restarts: int = 0) -> int:
+    """``workbench train --resume runs/<id>``: run the run directory's own config.json again, from
+    its latest good checkpoint (from step 0 when there is none), appending to the same events."""
+    run_dir = Path(run_dir)
+    config = RunConfig.load(str(run_dir / "config.json"))
+    check_trainable(config)
+    stream(f"resume {run_dir}  ({config.world_size} ranks, {config.plan.describe()})")
+    return _run_torchrun(run_dir, config, stream, env, resume=True, max_restarts=max_restarts)
+
+
+def _run_torchrun(run_dir: Path, config: RunConfig, stream: Callable[[str], None], env: dict[str, str] | None,
+                  resume: bool, max_restarts: int) -> int:
     child_env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}))
-    log = open(run_dir / "torchrun.log", "w")
-    proc = subprocess.Popen(torchrun_command(run_dir / "config.json", config.world_size),
+    if max_restarts:
+        # torchrun shares its rendezvous TCPStore with the workers and keeps it across restarts,
+        # without a per-attempt prefix: a restarted rank can read a dead peer's gloo/NCCL address
+        # left by the previous attempt and fail to connect (pytorch/pytorch#135712). A store per
+        # attempt (hosted by worker rank 0) avoids the race.
+        child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    since = next_seq(read_events(run_dir))  # a resumed run streams only what it adds
+    log = open(run_dir / "torchrun.log", "a" if resume else "w")
+    proc = subprocess.Popen(torchrun_command(run_dir / "config.json", config.world_size, resume, max_restarts),
                             stdout=log, stderr=subprocess.STDOUT, env=child_env)
-    since: dict[int, int] = {}
     total = config.train.steps
 
     def drain() -> None:
-        events = read_events(run_dir, since)
-        for e in events:
+        for e in read_events(run_dir, since):
             since[e["rank"]] = e["seq"] + 1
-            if e["kind"] == "step" and e["rank"] == 0:
-                stream(format_step(e, total))
-            elif e["kind"] == "error":
-                stream(f"error: {e['error']}")
+            line = format_event(e, total)
+            if line is not None:
+                stream(line)
 
     try:
         while proc.poll() is None:

@@ -63,7 +63,9 @@ class Step:
 
 @dataclass(frozen=True)
 class RunEnd:
-    """The run finished on this rank: ``status`` is "ok", "error" or "interrupted"."""
+    """The run finished on this rank: ``status`` is "ok", "stopped" (a guard fired; the ``guard``
+    event says which and why), "error" or "interrupted". ``step``: the next step to run (= steps
+    completed since the start of the run, resumes included)."""
 
     kind = "run_end"
     status: str
@@ -81,7 +83,101 @@ class Error:
     step: int | None = None
 
 
-EVENT_TYPES: dict[str, type] = {cls.kind: cls for cls in (RunStart, Step, RunEnd, Error)}
+# ---------------------------------------------------------------------------- instrumentation
+# Kinds written by workbench/trainer/instrument.py. Calls and actions are batched: one event per
+# rank per step holds a list, so a step with hundreds of collectives writes one line, not hundreds
+# (each line is flushed: per-call lines would cost more than the calls on a small model).
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """Every collective this rank issued in one step. Each call is a dict:
+
+    ``op`` (all_reduce | all_gather | reduce_scatter | all_to_all | send_recv | broadcast),
+    ``dim`` (the plan's group dimension whose ranks equal the call's group; "world" or "other"
+    when none does), ``group`` (sorted global ranks), ``n`` (group size), ``bytes`` (S by the
+    nccl-tests convention of :mod:`workbench.comms`), ``wire_bytes`` (S x bus factor: what this
+    rank sends with a ring/pairwise algorithm), ``start``/``end`` (wall-clock seconds; ``end`` is
+    when the call completed or, for asynchronous calls, when completion was observed), ``algbw`` and
+    ``busbw`` (bytes/s, nccl-tests), ``dir`` ("send"/"recv" for point-to-point), ``api``
+    ("c10d" or "functional": DTensor), ``scalar`` (a single-element bookkeeping call: loss, norm).
+    ``phase`` is "compute" for calls made inside forward/backward, "step" for the rest."""
+
+    kind = "collectives"
+    step: int
+    calls: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class PipelineStep:
+    """This pipeline rank's actions in one step: ``actions`` are ``[kind, stage, microbatch, start,
+    end]`` with kind F (forward), B (full backward), I (input-gradient backward), W (weight-gradient
+    backward); ``p2p`` are ``[dir, bytes, start, end]`` pipeline sends/receives. Times are wall-clock
+    seconds (on CUDA, device time from CUDA events, anchored to the wall clock at the step start).
+    ``bubble_fraction = 1 - busy / window`` with ``window`` the span of ``schedule.step()``; the
+    rest of the window is ``wait_s`` (blocked on a neighbour) and the schedule's own work between
+    actions (posting transfers, the loss, Python)."""
+
+    kind = "pipeline"
+    step: int
+    pp_rank: int
+    window: list[float]  # [start, end] of schedule.step()
+    busy_s: float
+    bubble_fraction: float
+    actions: list[list[Any]]
+    p2p: list[list[Any]] = field(default_factory=list)
+    timing: str = "wall"  # "wall" (CPU) or "cuda_events"
+    wait_s: float = 0.0  # blocked waiting on pipeline sends/receives (host time)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Measured bytes of this rank, per component of the planner's bill (workbench.memory):
+    ``parameters``, ``gradients``, ``optimizer`` from the real tensors' local shards (no padding);
+    ``activations``: peak bytes saved for backward (saved-tensor hooks; storages counted once,
+    parameters excluded) during the step; the CUDA allocator's peaks on GPU (None on CPU)."""
+
+    kind = "memory"
+    step: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    activations_per_microbatch: int = 0  # saved by the first micro-batch's forward alone
+    cuda_peak_allocated: int | None = None
+    cuda_peak_reserved: int | None = None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Per-rank step times of one step (written by rank 0), so that stragglers show."""
+
+    kind = "step_stats"
+    step: int
+    step_time_s: list[float]  # indexed by rank
+    slowest_rank: int
+    p50_s: float
+    p95_s: float
+    max_s: float
+    min_s: float
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A guard of TrainSettings fired: the run stops after this step (with a final checkpoint
+    when checkpointing is available). ``guard`` is "nonfinite", "grad_spike" or "min_tokens_per_s"."""
+
+    kind = "guard"
+    step: int
+    guard: str
+    value: float
+    threshold: float
+    message: str
+
+
+EVENT_TYPES: dict[str, type] = {
+    cls.kind: cls for cls in (RunStart, Step, RunEnd, Error, Collectives, PipelineStep, Memory, StepStats, Guard)
+}
 KINDS = tuple(EVENT_TYPES)
 
 
@@ -201,3 +297,81 @@ def find_gaps(events: list[Mapping[str, Any]]) -> dict[int, list[int]]:
     for e in events:
         seen.setdefault(e["rank"], set()).add(e["seq"])
     return {r: sorted(set(range(min(s), max(s) + 1)) - s) for r, s in seen.items() if len(s) != max(s) - min(s) + 1}
+
+
+# --------------------------------------------------------------------------- checkpoints, faults, restarts
+# (issue 5: workbench/trainer/checkpoint.py writes these)
+
+CHECKPOINT_PHASES = ("started", "staged", "written", "committed", "verified", "loaded", "deleted", "discarded")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One phase of a checkpoint's life. Saving: ``started`` -> ``staged`` (the state dict is
+    built; async: copied to CPU, training may go on) -> ``written`` (this rank's files are on disk)
+    -> ``committed`` (rank 0: hashes and the commit marker written, directory renamed into place)
+    -> ``verified`` (rank 0: the committed files checked). Loading: ``verified`` (every hash
+    checked) -> ``loaded``. Retention: ``deleted``; an incomplete ``step-<n>.tmp``: ``discarded``.
+    ``bytes``: this rank's state for staged/written/loaded, the whole checkpoint on disk for
+    committed/verified/deleted."""
+
+    kind = "checkpoint"
+    phase: str
+    step: int
+    path: str
+    bytes: int = 0
+    duration_s: float = 0.0
+    mode: str = "sync"  # "sync" or "async"
+
+
+@dataclass(frozen=True)
+class CheckpointRejected:
+    """A checkpoint failed its integrity check on load: why (one line), and what was used instead."""
+
+    kind = "checkpoint_rejected"
+    step: int
+    path: str
+    reason: str
+    fallback: str | None = None  # the checkpoint loaded instead (None: none left, start from 0)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """This rank's previous attempt ended abnormally, found when the job starts again.
+
+    ``cause``: "killed" (no run_end and no error: SIGKILL, the OOM killer, a lost node),
+    "error" (it raised; ``detail`` is the error), "interrupted" (stopped by a signal or the launcher)."""
+
+    kind = "fault"
+    cause: str
+    attempt: int  # the attempt that failed (0: the first launch)
+    last_step: int | None  # last step it logged (None: none)
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Restart:
+    """torchrun restarted the job (``--max-restarts``): this is attempt ``attempt`` (1, 2, ...)."""
+
+    kind = "restart"
+    attempt: int
+    max_restarts: int | None = None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Training continues at ``step`` from the checkpoint ``path`` (None: none was good, start at
+    0). ``resharded``: saved under another layout or world size; ``notes`` say, one line per piece of
+    state, what was restored, resharded or re-derived."""
+
+    kind = "resume"
+    step: int
+    path: str | None
+    saved_plan: str | None = None
+    saved_world_size: int | None = None
+    resharded: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+EVENT_TYPES.update({cls.kind: cls for cls in (Checkpoint, CheckpointRejected, Fault, Restart, Resume)})
+KINDS = tuple(EVENT_TYPES)

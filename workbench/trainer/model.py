@@ -41,6 +41,33 @@ from ..model import ModelSpec
 # --------------------------------------------------------------------------- building blocks
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm with the backward written out, so that it saves what fused kernels save: the input
+    and ``rstd`` (one fp32 per token), not the normalised copy that autograd would keep for the
+    weight's gradient (a second activation-sized tensor per norm; workbench.memory counts the
+    norm input only, as Korthikanti et al. do). Normalises in fp32 even under bf16 compute.
+
+    With x_hat = x * rstd, g = dy * weight:  dx = rstd * (g - x_hat * mean(g * x_hat)),
+    dweight = sum over tokens of dy * x_hat."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x.to(rstd.dtype) * rstd
+        g = (dy * weight).to(rstd.dtype)
+        dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+        # sum over every token dimension; a sequence-sharded DTensor gives a Partial sum, as autograd would
+        dweight = (dy * x_hat.type_as(x)).sum(dim=tuple(range(dy.dim() - 1)))
+        return dx.type_as(x), dweight.to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019)."""
 
@@ -50,9 +77,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # normalise in fp32 even under bf16 compute
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def build_norm(spec: ModelSpec, dim: int) -> nn.Module:
@@ -81,12 +106,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention. q (B, Hq, S, hd); k, v (B, Hkv, S, hd) -> (B, Hq, S, hd).
 
-    Grouped-query attention: each KV head serves Hq / Hkv query heads, so repeat it."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    Grouped-query attention: each KV head serves Hq / Hkv query heads. ``enable_gqa`` lets the
+    kernel broadcast them instead of materialising repeated copies (which backward would keep:
+    K and V saved at n_heads width instead of n_kv_heads)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):

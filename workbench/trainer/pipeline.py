@@ -88,8 +88,11 @@ def build_schedule(plan: ParallelPlan, stages: list[PipelineStage], n_microbatch
     """The schedule object ``plan.pp_schedule`` names, with our own loss scaling (see module doc)."""
     cls = SCHEDULE_CLASSES[plan.pp_schedule]
     if plan.pp_schedule in SINGLE_STAGE:
-        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    else:
+        schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    schedule.workbench_stages = list(stages)  # for instrument.py: time each stage's actions
+    return schedule
 
 
 def holds_first(plan: ParallelPlan, pp_rank: int) -> bool:

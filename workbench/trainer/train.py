@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from .checkpoint import Checkpointer, kill_if_asked, note_restart, restart_count
 from .support import check_trainable
 from ..config import RunConfig
 from ..telemetry.events import Error, EventWriter, RunEnd, RunStart, Step
@@ -47,6 +48,7 @@ from .data import BatchLoader, load_tokens
 from .mesh import Meshes, build_meshes, check_mesh
 from .model import Transformer, build_model, materialize
 from .parallelize import parallelize
+from .instrument import make_instrument
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PG_TIMEOUT_S = float(os.environ.get("WORKBENCH_PG_TIMEOUT_S", "300"))
@@ -113,12 +115,30 @@ def build_optimizer(params: list[torch.nn.Parameter], config: RunConfig, device:
 
 
 @torch.no_grad()
+def settle_grad_placements(params: list[torch.nn.Parameter]) -> None:
+    """Give every DTensor gradient its parameter's placements, once per step.
+
+    Under tensor parallelism without FSDP, DTensor leaves some gradients in another layout than
+    their parameter: the sequence-parallel norm weights' as Partial sums (each rank saw a slice of
+    the tokens), the vocabulary-split embedding's whole. Left so, every optimizer op that reads
+    them redistributes again (four all-reduces per norm weight per step with AdamW) and the
+    embedding's gradient takes tp times its share of memory. Settling them here costs one
+    all-reduce per Partial gradient (what workbench.comms predicts) and a local slice for the rest.
+    """
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+@torch.no_grad()
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group=None) -> float:
     """Global L2 norm of all gradients, then scale them by min(1, max_norm / norm).
 
     DTensor gradients (FSDP, TP, EP shards) contribute their full norm (``full_tensor`` sums the
     shards' squares over their mesh; replicated ones are counted once); pipeline stages hold
     disjoint parameters, so their squared norms are summed over the pp group."""
+    settle_grad_placements(params)
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
@@ -317,35 +337,81 @@ def _maybe_fail(rank: int, step: int) -> None:
             raise RuntimeError(f"injected failure at step {step}")
 
 
-def run_training(config: RunConfig, writer: EventWriter | None = None, steps: int | None = None) -> list[float]:
+class Losses(list):
+    """Per-step losses of this attempt, plus where it ended: ``final_step`` (the next step to
+    run, counted from the start of the whole run, resumes included) and ``guard`` (the guard
+    event that stopped it, or None)."""
+
+    final_step: int = 0
+    guard: Any = None
+
+
+def run_training(config: RunConfig, writer: EventWriter | None = None, steps: int | None = None,
+                 run_dir: str | Path | None = None, resume: bool = False) -> Losses:
     """Train ``config`` in this process (one rank of an initialised job, or alone when the world
-    size is 1); emit events to ``writer``; return the per-step losses."""
+    size is 1); emit events to ``writer``; return the per-step losses. ``steps``: how many to run
+    (default: up to ``config.train.steps``). With ``run_dir``, checkpoint into
+    ``<run_dir>/checkpoints`` and, with ``resume``, first load the latest good one (checkpoint.py)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != config.world_size:
         raise RuntimeError(f"the job has {world} processes but the config's world size is {config.world_size}")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     trainer = setup(config, rank, device)
+    checkpointer = _checkpointer(trainer, writer, run_dir, resume)
     if writer is not None:
         n_local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainer.params)
         writer.emit(RunStart(world_size=world, mesh=dict(config.plan.mesh_dims()),
                              coords=config.plan.rank_coords(rank), device=str(device),
                              backend=dist.get_backend() if dist.is_initialized() else "none",
-                             n_params=config.model.n_params(), n_local_params=n_local, steps=config.train.steps))
-    losses = []
-    for _ in range(steps if steps is not None else config.train.steps):
+                             n_params=config.model.n_params(), n_local_params=n_local, steps=config.train.steps,
+                             step=trainer.step))
+    instrument = make_instrument(trainer, writer)  # None: instrumentation off, or nowhere to write
+    losses = Losses()
+    for _ in range(steps if steps is not None else config.train.steps - trainer.step):
+        kill_if_asked(rank, trainer.step)
+        if instrument is not None:
+            instrument.begin_step(trainer.step)
         metrics = train_step(trainer)
+        guard = instrument.end_step(metrics) if instrument is not None else None
         losses.append(metrics["loss"])
         if writer is not None:
             writer.emit(Step(**metrics))
+        if checkpointer is not None:
+            checkpointer.after_step()
+        if guard is not None:
+            writer.emit(guard)  # a guard fired: stop cleanly (finish() below saves a final checkpoint)
+            losses.guard = guard
+            break
+    if instrument is not None:
+        instrument.close()
+    if checkpointer is not None:
+        checkpointer.finish()
+    losses.final_step = trainer.step
     return losses
 
 
+def _checkpointer(trainer: Trainer, writer: EventWriter | None, run_dir: str | Path | None,
+                  resume: bool) -> Checkpointer | None:
+    """Checkpoints need a run directory; resuming loads the latest good one into ``trainer``."""
+    if run_dir is None:
+        return None
+    checkpointer = Checkpointer(run_dir, trainer, writer)
+    if resume:
+        checkpointer.resume()
+    return checkpointer
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point under torchrun: ``python -m workbench.trainer <run_dir>/config.json``."""
+    """Entry point under torchrun: ``python -m workbench.trainer <run_dir>/config.json [--resume]``.
+
+    ``--resume`` (or a torchrun restart: ``TORCHELASTIC_RESTART_COUNT > 0``) continues from the
+    latest good checkpoint in ``<run_dir>/checkpoints``."""
     argv = sys.argv[1:] if argv is None else argv
+    resume = "--resume" in argv or restart_count() > 0
+    argv = [a for a in argv if a != "--resume"]
     if len(argv) != 1:
-        print("usage: python -m workbench.trainer runs/<id>/config.json", file=sys.stderr)
+        print("usage: python -m workbench.trainer runs/<id>/config.json [--resume]", file=sys.stderr)
         return 2
     config_path = Path(argv[0])
     run_dir = config_path.parent
@@ -358,10 +424,13 @@ def main(argv: list[str] | None = None) -> int:
         check_trainable(config)  # the launchers checked too; a hand-written config.json may not be
         if config.train.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
+        if resume:
+            note_restart(run_dir, rank, writer)  # before this attempt logs anything
         init_distributed()
-        losses = run_training(config, writer)
-        step = len(losses)
-        writer.emit(RunEnd(status="ok", step=step, elapsed_s=time.time() - t_start))
+        losses = run_training(config, writer, run_dir=run_dir, resume=resume)
+        step = losses.final_step
+        status = "stopped" if losses.guard is not None else "ok"
+        writer.emit(RunEnd(status=status, step=step, elapsed_s=time.time() - t_start))
         writer.close()
         if dist.is_initialized():
             dist.barrier()

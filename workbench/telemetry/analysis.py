@@ -1,0 +1,204 @@
+"""Analyses of a run directory's events (no torch): what the trainer measured, summarised per step.
+
+Every function takes the list of events (``Run.events()`` or ``read_events(run_dir)``) and
+returns plain numbers under the planner's names, so that :mod:`workbench.compare` can set them
+next to the predictions. Steps before :data:`WARMUP_STEPS` are skipped where timing matters (the
+first step pays one-off costs: lazy initialisation, allocator growth, first-touch of buffers); if
+a run has no later step, its first is used.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any, Iterable, Mapping
+
+WARMUP_STEPS = 1
+Events = Iterable[Mapping[str, Any]]
+
+
+def _of(events: Events, kind: str, rank: int | None = None) -> list[Mapping[str, Any]]:
+    return [e for e in events if e.get("kind") == kind and (rank is None or e.get("rank") == rank)]
+
+
+def _timed_steps(steps: Iterable[int]) -> set[int]:
+    """The steps to average timings over: those after the warm-up (all of them if none is)."""
+    s = set(steps)
+    later = {x for x in s if x >= WARMUP_STEPS}
+    return later or s
+
+
+def collective_bytes(events: Events, rank: int) -> dict[tuple[tuple[int, ...], str], dict[str, Any]]:
+    """Per step on ``rank``, per (group ranks, op): ``bytes`` (S by nccl-tests, summed), ``count``,
+    ``time_s`` (summed durations), ``dim`` (the plan's name for the group), averaged over the
+    measured steps. Point-to-point counts the sends (each transfer once, as the planner does);
+    single-element bookkeeping calls (loss, gradient-norm reductions) are left out: the planner
+    does not model them (see :func:`bookkeeping_calls`)."""
+    per_step = _of(events, "collectives", rank)
+    keep = _timed_steps(e["step"] for e in per_step)  # step 0 also runs one-off setup traffic
+    per_step = [e for e in per_step if e["step"] in keep]
+    if not per_step:
+        return {}
+    out: dict[tuple[tuple[int, ...], str], dict[str, Any]] = {}
+    for e in per_step:
+        for c in e["calls"]:
+            if c.get("scalar") or c.get("dir") == "recv":
+                continue
+            key = (tuple(c["group"]), c["op"])
+            d = out.setdefault(key, {"bytes": 0, "count": 0, "time_s": 0.0, "dim": c["dim"]})
+            d["bytes"] += c["bytes"]
+            d["count"] += 1
+            if c.get("end") is not None:
+                d["time_s"] += c["end"] - c["start"]
+    n = len(per_step)
+    for d in out.values():
+        d["bytes"] /= n
+        d["count"] /= n
+        d["time_s"] /= n
+    return out
+
+
+def collective_bytes_by_step(events: Events, rank: int) -> dict[int, dict[tuple[tuple[int, ...], str], int]]:
+    """Non-bookkeeping bytes per (group, op) of every measured step of ``rank`` (to check that
+    every step issues the same traffic)."""
+    out: dict[int, dict[tuple[tuple[int, ...], str], int]] = {}
+    for e in _of(events, "collectives", rank):
+        d = out.setdefault(e["step"], defaultdict(int))
+        for c in e["calls"]:
+            if not c.get("scalar") and c.get("dir") != "recv":
+                d[(tuple(c["group"]), c["op"])] += c["bytes"]
+    return {k: dict(v) for k, v in out.items()}
+
+
+def bookkeeping_calls(events: Events, rank: int) -> int:
+    """Single-element calls per step on ``rank`` (loss and norm reductions)."""
+    per_step = _of(events, "collectives", rank)
+    if not per_step:
+        return 0
+    return round(sum(sum(1 for c in e["calls"] if c.get("scalar")) for e in per_step) / len(per_step))
+
+
+def memory(events: Events, rank: int) -> dict[str, int]:
+    """Measured bytes per component on ``rank``: model states from the last memory event (they do
+    not change), activations as the largest peak over the measured steps after the first."""
+    mem = _of(events, "memory", rank)
+    keep = _timed_steps(e["step"] for e in mem)  # step 0: pipelining's shape inference saves too
+    mem = [e for e in mem if e["step"] in keep]
+    if not mem:
+        return {}
+    last = mem[-1]
+    out = {k: int(last[k]) for k in ("parameters", "gradients", "optimizer")}
+    out["activations"] = max(int(e["activations"]) for e in mem)
+    for k in ("cuda_peak_allocated", "cuda_peak_reserved"):
+        if last.get(k) is not None:
+            out[k] = max(int(e[k]) for e in mem if e.get(k) is not None)
+    return out
+
+
+def _pipeline_steps(events: Events) -> dict[int, list[Mapping[str, Any]]]:
+    by_step: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+    for e in _of(events, "pipeline"):
+        by_step[e["step"]].append(e)
+    keep = _timed_steps(by_step)
+    return {s: v for s, v in by_step.items() if s in keep}
+
+
+def _idle(e: Mapping[str, Any], t0: float, t1: float) -> float:
+    """A rank's idle time in the step's makespan [t0, t1]: before and after its own
+    ``schedule.step()``, and blocked waiting on its neighbours inside it. The schedule's own work
+    between actions (posting transfers, the loss, Python) is not idle: it is per-action cost,
+    which :func:`stage_times` folds into the stage times."""
+    return (e["window"][0] - t0) + (t1 - e["window"][1]) + e.get("wait_s", 0.0)
+
+
+def bubble_fractions(events: Events) -> dict[int, float]:
+    """Median measured bubble per rank: idle / T, T the step's pipeline makespan from the earliest
+    start to the latest end of ``schedule.step()`` over all ranks (one host's clock; across hosts,
+    NTP-synchronised wall clocks). The planner's ``ScheduleResult.per_rank_bubble``."""
+    per_rank: dict[int, list[float]] = defaultdict(list)
+    for evs in _pipeline_steps(events).values():
+        t0, t1 = min(e["window"][0] for e in evs), max(e["window"][1] for e in evs)
+        for e in evs:
+            per_rank[e["rank"]].append(_idle(e, t0, t1) / (t1 - t0) if t1 > t0 else 0.0)
+    return {r: statistics.median(xs) for r, xs in per_rank.items()}
+
+
+def bubble_fraction(events: Events) -> float | None:
+    """The run's bubble fraction, median over steps of total idle / (ranks x makespan): the
+    planner's ``ScheduleResult.bubble_fraction``."""
+    steps = []
+    for evs in _pipeline_steps(events).values():
+        t0, t1 = min(e["window"][0] for e in evs), max(e["window"][1] for e in evs)
+        if t1 > t0:
+            steps.append(sum(_idle(e, t0, t1) for e in evs) / (len(evs) * (t1 - t0)))
+    return statistics.median(steps) if steps else None
+
+
+def stage_times(events: Events) -> dict[int, dict[str, float]]:
+    """Median seconds per action kind (F, B, I, W) per stage over the measured steps (medians: a
+    shared CPU stretches a few actions by a lot), each including its share of the schedule's own
+    work between actions on that rank (window - actions - waits, spread evenly over the actions)."""
+    acc: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for evs in _pipeline_steps(events).values():
+        for e in evs:
+            actions = e["actions"]
+            if not actions:
+                continue
+            window = e["window"][1] - e["window"][0]
+            overhead = max(0.0, window - e["busy_s"] - e.get("wait_s", 0.0)) / len(actions)
+            for kind, stage, _, start, end in actions:
+                acc[stage][kind].append(end - start + overhead)
+    return {s: {k: statistics.median(v) for k, v in kinds.items()} for s, kinds in acc.items()}
+
+
+def step_times(events: Events) -> dict[int, list[float]]:
+    """Per step, every rank's step time (``step_stats`` of rank 0, else each rank's step events)."""
+    stats = _of(events, "step_stats")
+    if stats:
+        return {e["step"]: list(e["step_time_s"]) for e in stats}
+    out: dict[int, dict[int, float]] = defaultdict(dict)
+    for e in _of(events, "step"):
+        out[e["step"]][e["rank"]] = e["step_time_s"]
+    return {s: [d[r] for r in sorted(d)] for s, d in out.items()}
+
+
+def stragglers(events: Events) -> dict[str, Any]:
+    """Which rank is slowest how often, and p50 / p95 / max of the per-rank step times."""
+    times = step_times(events)
+    keep = _timed_steps(times)
+    slowest: dict[int, int] = defaultdict(int)
+    flat = []
+    for s, ts in times.items():
+        if s in keep and ts:
+            slowest[max(range(len(ts)), key=ts.__getitem__)] += 1
+            flat.extend(ts)
+    flat.sort()
+    if not flat:
+        return {}
+    return {"slowest_rank_counts": dict(slowest), "p50_s": statistics.median(flat),
+            "p95_s": flat[min(len(flat) - 1, int(0.95 * len(flat)))], "max_s": flat[-1]}
+
+
+def step_breakdown(events: Events, rank: int) -> dict[str, float]:
+    """Mean seconds per step on ``rank``: ``step_time``, ``data_wait``, ``bubble`` (pipeline idle
+    inside ``schedule.step()``), ``comm_<dim>`` (summed durations of its calls; calls that overlap
+    compute are counted whole), and ``compute`` = what is left."""
+    steps = [e for e in _of(events, "step", rank)]
+    keep = _timed_steps(e["step"] for e in steps)
+    steps = [e for e in steps if e["step"] in keep]
+    if not steps:
+        return {}
+    out = {"step_time": statistics.fmean(e["step_time_s"] for e in steps),
+           "data_wait": statistics.fmean(e.get("data_wait_s", 0.0) for e in steps)}
+    pipe = [e for e in _of(events, "pipeline", rank) if e["step"] in keep]
+    if pipe:
+        out["bubble"] = statistics.fmean((e["window"][1] - e["window"][0]) * e["bubble_fraction"] for e in pipe)
+    comm: dict[str, float] = defaultdict(float)
+    coll = [e for e in _of(events, "collectives", rank) if e["step"] in keep]
+    for e in coll:
+        for c in e["calls"]:
+            if c.get("end") is not None and not c.get("scalar"):
+                comm[f"comm_{c['dim']}"] += (c["end"] - c["start"]) / len(coll)
+    out.update(sorted(comm.items()))
+    out["compute"] = out["step_time"] - sum(v for k, v in out.items() if k != "step_time")
+    return out

@@ -1,0 +1,672 @@
+"""Checkpoints you can trust: save, commit, verify, resume, reshard (torch.distributed.checkpoint).
+
+What a checkpoint holds (one DCP state dict, every rank writing its own shards):
+
+* ``model``, ``optim``: from ``get_state_dict`` (``torch.distributed.checkpoint.state_dict``),
+  keyed by the *unsplit* model's parameter names, with the optimizer state flattened per
+  parameter. FSDP2/TP shards are DTensors, so DCP records which slice each rank wrote and any
+  other layout can read its own slices back: that is resharding (dp_shard=2 x tp=2 -> dp_shard=4;
+  pp=2 -> dp_shard=2).
+* ``train``: the step, the data position (``BatchLoader.state_dict``) and the learning-rate
+  schedule's parameters (the trainer computes the LR from the step, so step + parameters *is*
+  the scheduler state).
+* ``rng``: ``rank-<r>``: each rank's torch (CPU, and CUDA when present), Python and NumPy
+  generator states.
+* beside the DCP files, ``meta.json`` (rank 0): the RunConfig that produced it, the layout, the
+  world size, the torch version.
+
+Layout on disk (DESIGN.md, the run directory)::
+
+    checkpoints/step-<n>.tmp/     while being written (never loaded; discarded at the next start)
+    checkpoints/step-<n>/         committed: __<rank>_<i>.distcp, .metadata, meta.json,
+                                  hashes.json (sha256 and size of every file), COMMITTED (last)
+
+Integrity. A checkpoint is visible only when complete: every rank writes into ``step-<n>.tmp``;
+DCP's finish step (rank 0 writes ``.metadata`` after gathering every rank's write results) means
+that when rank 0's save returns every file is on disk; rank 0 then writes ``meta.json``, hashes
+every file into ``hashes.json``, writes the ``COMMITTED`` marker (which records the hash of
+``hashes.json``), fsyncs, and renames the directory to ``step-<n>`` (atomic on POSIX). Loading
+checks every hash; a truncated or corrupted checkpoint is reported in one line (event
+``checkpoint_rejected`` and stderr), renamed ``step-<n>.rejected``, and the previous good one is
+used. Retention keeps the last ``checkpoint_keep`` committed checkpoints, deleting older ones only
+after a newer one is committed.
+
+Asynchronous saves (``checkpoint_async``): ``dcp.async_save`` copies the state to CPU memory
+(``staged``), then writes it from a background thread over a dedicated gloo process group (so that
+its collectives never interleave with training's on the default group); rank 0 commits from the
+same background thread when the write is done. At most one save is in flight: the next one (and
+the end of the run) waits for it. Events are emitted from the training thread (``poll``), because
+the event writer is not thread-safe.
+
+State that cannot be resharded, and what is done instead (also in the ``resume`` event's notes):
+
+* data position: kept as the global batch index. ``data.py`` defines global batch ``s`` as windows
+  ``s*G .. s*G+G-1`` of one seeded order, whatever the layout, and data-parallel rank ``r`` of
+  ``D`` reads slice ``r`` of it; so another data-parallel degree reads the same global batches from
+  the same index on (exact continuation). Another ``global_batch_size``, ``seq_len`` or seed would
+  be another stream: refused with a ConfigError.
+* RNG states: per rank, so they are restored only when the world size and the layout are the same;
+  otherwise each rank is re-seeded from (seed, step, rank). The bundled trainer draws no random
+  numbers after initialisation (no dropout), so this does not change the losses.
+* schedule: the LR follows the *current* config from the restored step; a changed schedule is noted.
+
+Recovery drill: under ``torchrun --max-restarts N`` a lost rank makes torchrun restart every rank;
+the trainer sees ``TORCHELASTIC_RESTART_COUNT > 0`` and resumes from the latest good checkpoint.
+:func:`note_restart` writes what the events of the previous attempt say (``fault``: killed,
+error or interrupted, and the last step logged) and a ``restart`` event; :func:`kill_if_asked` is
+the test hook (``WORKBENCH_KILL_AT="<rank>:<step>"``, first attempt only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from ..config import RunConfig
+from ..errors import ConfigError
+from ..telemetry.events import (Checkpoint, CheckpointRejected, EventWriter, Fault, Restart, Resume,
+                                read_rank_events)
+
+CHECKPOINTS = "checkpoints"
+MARKER = "COMMITTED"
+HASHES = "hashes.json"
+META = "meta.json"
+_COMMITTED_NAME = re.compile(r"^step-(\d+)$")
+# One entry per parameter in the optimizer state (not per param group): param groups differ per
+# pipeline stage, per-parameter entries do not.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_HASH_CHUNK = 1 << 20
+# World size 1 saves and loads without a process group, by design: DCP need not say so every time.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+# --------------------------------------------------------------------------- the run directory
+
+
+def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Committed-looking checkpoints ``(step, path)``, oldest first (``.tmp``/``.rejected`` excluded;
+    whether they are *good* is :func:`verify_checkpoint`'s business)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _COMMITTED_NAME.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    path: Path
+    bytes: int  # every file of the checkpoint
+    n_files: int
+    duration_s: float
+
+
+def commit_checkpoint(tmp: Path, final: Path, meta: dict[str, Any]) -> CommitInfo:
+    """Make the complete checkpoint in ``tmp`` visible as ``final`` (rank 0, after every rank wrote).
+
+    Order matters: ``meta.json``, then the hashes of every file, then the marker (naming the hash of
+    ``hashes.json``), each fsynced, then one atomic rename. A crash at any point leaves either a
+    ``.tmp`` directory (ignored, discarded later) or a complete ``step-<n>``."""
+    t0 = time.perf_counter()
+    _write_synced(tmp / META, json.dumps(meta, indent=2))
+    hashes = {}
+    for p in sorted(tmp.iterdir()):
+        if p.is_file() and p.name not in (HASHES, MARKER):
+            hashes[p.name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    hashes_text = json.dumps(hashes, indent=1, sort_keys=True)
+    _write_synced(tmp / HASHES, hashes_text)
+    marker = {"step": meta.get("step"), "hashes_sha256": hashlib.sha256(hashes_text.encode()).hexdigest()}
+    _write_synced(tmp / MARKER, json.dumps(marker))
+    _fsync_dir(tmp)
+    aside = None
+    if final.exists():  # the same step saved again (a run resumed from an older checkpoint)
+        aside = final.with_name(f"{final.name}.replaced-{os.getpid()}")
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    return CommitInfo(final, checkpoint_bytes_on_disk(final), len(hashes) + 2, time.perf_counter() - t0)
+
+
+def verify_checkpoint(path: str | os.PathLike, full: bool = True) -> str | None:
+    """None if the checkpoint at ``path`` is complete and intact, else the reason, in one line.
+
+    ``full=False`` checks the structure only (marker, hashes file, every file present with its
+    recorded size, every file DCP's ``.metadata`` refers to listed): cheap, used right after a save.
+    ``full=True`` also recomputes every SHA-256: used before loading."""
+    path = Path(path)
+    if not path.is_dir():
+        return "no such checkpoint directory"
+    if not (path / MARKER).exists():
+        return f"no {MARKER} marker: the write never completed"
+    try:
+        marker = json.loads((path / MARKER).read_text())
+        hashes_text = (path / HASHES).read_text()
+        hashes = json.loads(hashes_text)
+    except (OSError, ValueError) as e:
+        return f"unreadable {MARKER} or {HASHES}: {e}"
+    if hashlib.sha256(hashes_text.encode()).hexdigest() != marker.get("hashes_sha256"):
+        return f"{HASHES} does not match the hash recorded in {MARKER}"
+    for name, rec in hashes.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != rec["bytes"]:
+            return f"{name} is truncated or overwritten: {size} bytes, {rec['bytes']} recorded"
+    if ".metadata" not in hashes:
+        return "no DCP .metadata file"
+    try:
+        md = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure to parse is a bad checkpoint
+        return f".metadata does not load: {type(e).__name__}: {e}"
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None and rel not in hashes:
+            return f".metadata refers to {rel}, which is not in {HASHES}"
+    if full:
+        for name, rec in hashes.items():
+            if sha256_file(path / name) != rec["sha256"]:
+                return f"{name} is corrupted: its SHA-256 differs from the one recorded at commit"
+    return None
+
+
+def checkpoint_bytes_on_disk(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def reject(path: Path) -> Path:
+    """Move a bad checkpoint out of the way (kept for inspection as ``step-<n>.rejected``)."""
+    target = path.with_name(path.name + ".rejected")
+    i = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.rejected-{i}")
+        i += 1
+    os.rename(path, target)
+    return target
+
+
+def find_latest_good(run_dir: str | os.PathLike, on_reject: Callable[[int, Path, str, Path | None], None] | None = None,
+                     move_rejected: bool = True) -> Path | None:
+    """The newest committed checkpoint that passes :func:`verify_checkpoint`, or None.
+
+    Each bad one is reported through ``on_reject(step, path, reason, fallback)`` and (by default)
+    renamed ``.rejected``, so that it is never considered again and its step can be saved anew."""
+    bad: list[tuple[int, Path, str]] = []
+    good = None
+    for step, path in reversed(list_checkpoints(run_dir)):
+        reason = verify_checkpoint(path, full=True)
+        if reason is None:
+            good = path
+            break
+        bad.append((step, path, reason))
+    for step, path, reason in bad:
+        if on_reject is not None:
+            on_reject(step, path, reason, good)
+        if move_rejected:
+            reject(path)
+    return good
+
+
+def apply_retention(run_dir: str | os.PathLike, keep: int) -> list[tuple[int, Path, int]]:
+    """Delete all but the newest ``keep`` committed checkpoints; return ``(step, path, bytes)`` deleted.
+
+    Called only after a commit, so the newest is always a complete one."""
+    deleted = []
+    for step, path in list_checkpoints(run_dir)[:-keep]:
+        size = checkpoint_bytes_on_disk(path)
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append((step, path, size))
+    return deleted
+
+
+def discard_incomplete(run_dir: str | os.PathLike) -> list[Path]:
+    """Remove ``step-<n>.tmp`` directories left by a save that never committed (rank 0, at start,
+    when no save can be in flight)."""
+    root = checkpoints_dir(run_dir)
+    out = []
+    if root.is_dir():
+        for p in root.glob("step-*.tmp"):
+            shutil.rmtree(p, ignore_errors=True)
+            out.append(p)
+    return out
+
+
+# --------------------------------------------------------------------------- the training state
+
+
+class StagesView(nn.Module):
+    """This rank's pipeline stage modules seen as one module with the unsplit model's parameter
+    names (``layers.<global index>``, ``tok_embeddings``, ``norm``, ``output``).
+
+    ``get_state_dict`` takes one module and one optimizer; the optimizer spans every local stage.
+    Registering the stages' own submodules here (not copies) gives state-dict keys that do not
+    depend on the stage split, which is what lets DCP reshard pp=2 into pp=1."""
+
+    def __init__(self, modules: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for m in modules:
+            for name, layer in m.layers.items():  # type: ignore[union-attr]
+                self.layers[name] = layer
+        for name in ("tok_embeddings", "pos_embeddings", "norm", "output"):
+            owner = next((getattr(m, name) for m in modules if getattr(m, name, None) is not None), None)
+            if owner is not None:
+                setattr(self, name, owner)
+
+
+def model_view(modules: list[nn.Module]) -> nn.Module:
+    return modules[0] if len(modules) == 1 else StagesView(modules)
+
+
+def _local_bytes(tree: Any) -> int:
+    """Bytes this rank holds in a state dict (DTensors count their local shard)."""
+    if isinstance(tree, dict):
+        return sum(_local_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_local_bytes(v) for v in tree)
+    if isinstance(tree, DTensor):
+        t = tree.to_local()
+        return t.numel() * t.element_size()
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    return 0
+
+
+def capture_rng() -> bytes:
+    """This process's generator states, pickled: torch CPU (and CUDA), Python, NumPy."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return pickle.dumps(state)
+
+
+def restore_rng(blob: bytes) -> None:
+    state = pickle.loads(blob)  # our own file, its hash checked before loading
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def reseed_rng(seed: int, step: int, rank: int) -> None:
+    """Fresh, reproducible generator states when the saved ones do not map onto this job's ranks."""
+    s = (seed * 1_000_003 + step * 7919 + rank) % (2**31)
+    torch.manual_seed(s)
+    random.seed(s)
+    try:
+        import numpy as np
+
+        np.random.seed(s)
+    except ImportError:
+        pass
+
+
+def schedule_state(config: RunConfig) -> dict[str, Any]:
+    t = config.train
+    return {"lr": t.lr, "warmup_steps": t.warmup_steps, "steps": t.steps, "min_lr_ratio": t.min_lr_ratio}
+
+
+def training_state(trainer: Any) -> dict[str, Any]:
+    """The state dict DCP saves (see the module docstring); tensors are the live ones (DCP copies
+    them while writing; ``async_save`` copies them to CPU before returning)."""
+    model_sd, optim_sd = get_state_dict(model_view(trainer.modules), trainer.optimizer, options=OPTIONS)
+    return {
+        "model": model_sd,
+        "optim": optim_sd,
+        "train": {"step": trainer.step, "data": trainer.loader.state_dict(), "schedule": schedule_state(trainer.config)},
+        "rng": {f"rank-{trainer.rank}": capture_rng()},
+    }
+
+
+def checkpoint_meta(config: RunConfig, step: int, mode: str) -> dict[str, Any]:
+    return {
+        "step": step,
+        "world_size": config.world_size,
+        "plan": config.plan.describe(),
+        "mesh": dict(config.plan.mesh_dims()),
+        "config": config.to_dict(),
+        "mode": mode,
+        "torch": torch.__version__,
+        "created": time.time(),
+    }
+
+
+# --------------------------------------------------------------------------- save and load
+
+
+def _world() -> int:
+    """Ranks taking part (1 outside an initialised job: DCP then saves and loads in one process)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@dataclass
+class _Pending:
+    """An asynchronous save in flight."""
+
+    step: int
+    tmp: Path
+    final: Path
+    future: Future
+    t0: float
+    local_bytes: int
+    committed: threading.Event = field(default_factory=threading.Event)
+    commit: CommitInfo | None = None
+    error: BaseException | None = None
+    written_s: float = 0.0
+
+
+class Checkpointer:
+    """Saves and loads one rank's training state in ``<run_dir>/checkpoints`` (every rank makes one,
+    at the same point: the constructor may create a process group).
+
+    ``after_step()`` after every optimizer step (saves every ``checkpoint_every`` steps, emits the
+    events of a finished asynchronous save), ``finish()`` at the end (final save, waits for the last
+    write), ``resume()`` before the first step."""
+
+    def __init__(self, run_dir: str | os.PathLike, trainer: Any, writer: EventWriter | None = None):
+        t = trainer.config.train
+        self.run_dir = Path(run_dir)
+        self.root = checkpoints_dir(run_dir)
+        self.trainer = trainer
+        self.writer = writer
+        self.rank = trainer.rank
+        self.every = t.checkpoint_every
+        self.keep = t.checkpoint_keep
+        self.mode = "async" if t.checkpoint_async else "sync"
+        self.last_saved: int | None = None
+        self._pending: _Pending | None = None
+        self._pg = None
+        if self.every and t.checkpoint_async and dist.is_initialized():
+            # Background writes run collectives (plan, finish): give them their own group.
+            self._pg = dist.new_group(backend="gloo")
+
+    # ----------------------------------------------------------------- events
+    def _emit(self, event: Any) -> None:
+        if self.writer is not None:
+            self.writer.emit(event)
+
+    def _phase(self, phase: str, step: int, path: Path, nbytes: int = 0, duration_s: float = 0.0) -> None:
+        self._emit(Checkpoint(phase=phase, step=step, path=str(path), bytes=int(nbytes),
+                              duration_s=float(duration_s), mode=self.mode))
+
+    # ----------------------------------------------------------------- saving
+    def after_step(self) -> None:
+        self.poll()
+        if self.every and self.trainer.step % self.every == 0:
+            self.save()
+
+    def finish(self) -> None:
+        """Save the final state (unless just saved) and wait until every save is committed."""
+        if self.every and self.last_saved != self.trainer.step:
+            self.save()
+        self.wait()
+
+    def save(self) -> None:
+        """Checkpoint the state after ``trainer.step`` steps into ``checkpoints/step-<step>``."""
+        self.wait()  # at most one save in flight
+        step = self.trainer.step
+        tmp, final = self.root / f"step-{step}.tmp", self.root / f"step-{step}"
+        self._phase("started", step, tmp)
+        t0 = time.perf_counter()
+        state = training_state(self.trainer)
+        nbytes = _local_bytes(state)
+        self.last_saved = step
+        if self.mode == "async":
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg, no_dist=_world() == 1)
+            self._phase("staged", step, tmp, nbytes, time.perf_counter() - t0)  # copied to CPU
+            pending = _Pending(step, tmp, final, future, t0, nbytes)
+            meta = checkpoint_meta(self.trainer.config, step, self.mode)
+            future.add_done_callback(lambda f: self._finish_write(pending, meta))
+            self._pending = pending
+            return
+        self._phase("staged", step, tmp, nbytes, time.perf_counter() - t0)
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=_world() == 1)
+        self._phase("written", step, tmp, nbytes, time.perf_counter() - t0)
+        if self.rank == 0:
+            info = commit_checkpoint(tmp, final, checkpoint_meta(self.trainer.config, step, self.mode))
+            self._after_commit(step, info)
+
+    def _finish_write(self, pending: _Pending, meta: dict[str, Any]) -> None:
+        """Background thread, when an async write is done: rank 0 commits. No events here."""
+        try:
+            pending.future.result()
+            pending.written_s = time.perf_counter() - pending.t0
+            if self.rank == 0:
+                pending.commit = commit_checkpoint(pending.tmp, pending.final, meta)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by poll()
+            pending.error = e
+        finally:
+            pending.committed.set()
+
+    def poll(self) -> None:
+        """Emit the events of a finished asynchronous save (non-blocking)."""
+        p = self._pending
+        if p is not None and p.committed.is_set():
+            self._pending = None
+            if p.error is not None:
+                raise RuntimeError(f"asynchronous checkpoint step-{p.step} failed: {p.error}") from p.error
+            self._phase("written", p.step, p.tmp, p.local_bytes, p.written_s)
+            if p.commit is not None:
+                self._after_commit(p.step, p.commit)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and committed."""
+        if self._pending is not None:
+            self._pending.committed.wait()
+            self.poll()
+
+    def _after_commit(self, step: int, info: CommitInfo) -> None:
+        self._phase("committed", step, info.path, info.bytes, info.duration_s)
+        t0 = time.perf_counter()
+        reason = verify_checkpoint(info.path, full=False)
+        if reason is not None:
+            raise RuntimeError(f"checkpoint {info.path} failed its check right after commit: {reason}")
+        self._phase("verified", step, info.path, info.bytes, time.perf_counter() - t0)
+        for old_step, path, size in apply_retention(self.run_dir, self.keep):
+            self._phase("deleted", old_step, path, size)
+
+    # ----------------------------------------------------------------- loading
+    def resume(self, path: str | os.PathLike | None = None) -> int:
+        """Load ``path``, or the latest good checkpoint of the run directory; return the step to
+        continue from (0 when there is none). Rank 0 chooses (verifying hashes, reporting and
+        setting aside bad ones); every rank loads the same one."""
+        chosen: str | None = None
+        if self.rank == 0:
+            for p in discard_incomplete(self.run_dir):
+                self._phase("discarded", _step_of(p), p)
+            t0 = time.perf_counter()
+            if path is not None:  # asked for by name: no fallback
+                reason = verify_checkpoint(path, full=True)
+                if reason is not None:
+                    raise RuntimeError(f"checkpoint {path} is not good: {reason}")
+                good: Path | None = Path(path)
+            else:
+                good = find_latest_good(self.run_dir, self._report_reject)
+            if good is not None:
+                self._phase("verified", _step_of(good), good, checkpoint_bytes_on_disk(good), time.perf_counter() - t0)
+            chosen = str(good) if good is not None else None
+        if dist.is_initialized() and _world() > 1:
+            box = [chosen]
+            dist.broadcast_object_list(box, src=0)
+            chosen = box[0]
+        if chosen is None:
+            self._emit(Resume(step=0, path=None, notes=["no good checkpoint: starting at step 0"]))
+            return 0
+        return self.load(Path(chosen))
+
+    def _report_reject(self, step: int, path: Path, reason: str, fallback: Path | None) -> None:
+        then = f"falling back to {fallback.name}" if fallback is not None else "no good checkpoint left, starting at step 0"
+        print(f"[workbench] checkpoint {path} rejected: {reason}; {then}", file=sys.stderr, flush=True)
+        self._emit(CheckpointRejected(step=step, path=str(path), reason=reason,
+                                      fallback=str(fallback) if fallback is not None else None))
+
+    def load(self, path: Path) -> int:
+        """Load a verified checkpoint into this rank's trainer (any layout: DCP reshards)."""
+        trainer, config = self.trainer, self.trainer.config
+        t0 = time.perf_counter()
+        meta = json.loads((path / META).read_text())
+        saved = RunConfig.from_dict(meta["config"])
+        check_compatible(saved, config)
+        same_layout = meta["world_size"] == config.world_size and saved.plan == config.plan
+        view = model_view(trainer.modules)
+        model_sd, optim_sd = get_state_dict(view, trainer.optimizer, options=OPTIONS)
+        train_sd = {"step": 0, "data": trainer.loader.state_dict(), "schedule": schedule_state(saved)}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "train": train_sd}
+        rng_key = f"rank-{self.rank}"
+        if same_layout:
+            state["rng"] = {rng_key: b""}
+        dcp.load(state, checkpoint_id=str(path), no_dist=_world() == 1)
+        set_state_dict(view, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=OPTIONS)
+        step = int(state["train"]["step"])
+        trainer.step = step
+        trainer.loader.load_state_dict(state["train"]["data"])
+        notes = [f"model and optimizer: loaded from {meta['plan']} (world {meta['world_size']})"
+                 + ("" if same_layout else f", resharded by DCP into {config.plan.describe()} (world {config.world_size})"),
+                 f"data: resumed at global batch {trainer.loader.step}; the batch order does not depend on the layout"
+                 + ("" if saved.plan.dp == config.plan.dp else f", so dp={config.plan.dp} ranks slice the same batches dp={saved.plan.dp} ranks did")]
+        if same_layout:
+            restore_rng(state["rng"][rng_key])
+            notes.append("rng: every rank's generator states restored")
+        else:
+            reseed_rng(config.train.seed, step, self.rank)
+            notes.append(f"rng: per-rank states do not map onto another layout; ranks re-seeded from (seed, step={step}, rank)")
+        if state["train"]["schedule"] != schedule_state(config):
+            notes.append(f"schedule: saved {state['train']['schedule']}, continuing with {schedule_state(config)}")
+        self._phase("loaded", step, path, _local_bytes(state), time.perf_counter() - t0)
+        self._emit(Resume(step=step, path=str(path), saved_plan=meta["plan"], saved_world_size=meta["world_size"],
+                          resharded=not same_layout, notes=notes))
+        self.last_saved = step
+        return step
+
+
+def _step_of(path: Path) -> int:
+    m = re.match(r"^step-(\d+)", path.name)
+    return int(m.group(1)) if m else -1
+
+
+def check_compatible(saved: RunConfig, current: RunConfig) -> None:
+    """Refuse, in one line, a checkpoint that another layout cannot continue exactly: another model,
+    or another data stream (global batch size, sequence length, dataset, seed)."""
+    if saved.model != current.model:
+        raise ConfigError(f"the checkpoint was saved for model {saved.model.name!r} with other dimensions "
+                          f"than this run's {current.model.name!r}", field="model")
+    for name in ("global_batch_size", "seq_len", "dataset", "data_path", "seed", "optimizer"):
+        a, b = getattr(saved.train, name), getattr(current.train, name)
+        if a != b:
+            raise ConfigError(f"the checkpoint has {name}={a!r}, this run {name}={b!r}: the data position "
+                              f"(or optimizer state) would not mean the same thing", field=f"train.{name}", value=b)
+
+
+# --------------------------------------------------------------------------- restarts and the drill
+
+
+def note_restart(run_dir: str | os.PathLike, rank: int, writer: EventWriter) -> Fault | None:
+    """At the start of a resumed attempt, before it logs anything: say how this rank's previous
+    attempt ended (a ``fault`` event unless it ended "ok") and, under a torchrun restart, emit
+    ``restart``. Returns the fault (None when the previous attempt ended cleanly or there was none)."""
+    events = list(read_rank_events(run_dir, rank))
+    starts = [i for i, e in enumerate(events) if e["kind"] == "run_start"]
+    fault = None
+    if starts:
+        last = events[starts[-1]:]
+        steps = [e["step"] for e in last if e["kind"] == "step"]
+        ends = [e for e in last if e["kind"] == "run_end"]
+        errors = [e for e in last if e["kind"] == "error"]
+        last_step = max(steps) if steps else None
+        if errors:
+            fault = Fault(cause="error", attempt=len(starts) - 1, last_step=last_step, detail=errors[0].get("error", ""))
+        elif ends and ends[-1].get("status") == "interrupted":
+            fault = Fault(cause="interrupted", attempt=len(starts) - 1, last_step=last_step, detail="stopped by a signal")
+        elif not ends:
+            fault = Fault(cause="killed", attempt=len(starts) - 1, last_step=last_step,
+                          detail="ended without a run_end or an error: killed (SIGKILL, OOM killer) or its node was lost")
+        if fault is not None:
+            writer.emit(fault)
+    restarts = restart_count()
+    if restarts > 0:
+        max_r = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+        writer.emit(Restart(attempt=restarts, max_restarts=int(max_r) if max_r else None))
+    return fault
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job (0 on the first attempt or outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def kill_if_asked(rank: int, step: int) -> None:
+    """Recovery-drill hook: ``WORKBENCH_KILL_AT="<rank>:<step>"`` makes that rank SIGKILL itself at
+    the start of that step, on the first attempt only (so the restarted job can finish). SIGKILL:
+    no handler, no event, no flush, exactly like the OOM killer or a lost node."""
+    spec = os.environ.get("WORKBENCH_KILL_AT")
+    if not spec or restart_count() > 0:
+        return
+    r, s = (int(x) for x in spec.split(":"))
+    if r == rank and s == step:
+        print(f"[workbench] WORKBENCH_KILL_AT: rank {rank} sends itself SIGKILL at step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
