@@ -22,6 +22,8 @@ NOTEBOOKS = ROOT / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT_S = 120  # one cell; the whole series takes well under two minutes
 NOTEBOOK_BUDGET_S = 90
+# Notebooks 04 and 05 launch real torchrun jobs (kernels, rendezvous, restarts): more headroom.
+BUDGET_S = {"04_launching_and_watching_a_run": 150, "05_checkpoints_resharding_recovery": 150}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,7 @@ def kernel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_series_is_there():
     names = [p.name for p in PATHS]
     for expected in ("01_memory_bill.ipynb", "02_meshes_and_topology.ipynb", "03_pipeline_schedules.ipynb",
+                     "04_launching_and_watching_a_run.ipynb", "05_checkpoints_resharding_recovery.ipynb",
                      "06_choosing_a_plan.ipynb"):
         assert expected in names
 
@@ -83,4 +86,5 @@ def test_notebook_runs(path: Path, kernel_dir: Path, monkeypatch: pytest.MonkeyP
     except CellExecutionError as err:
         pytest.fail(f"{path.name}: a cell failed\n{err}")
     elapsed = time.perf_counter() - start
-    assert elapsed < NOTEBOOK_BUDGET_S, f"{path.name} took {elapsed:.0f} s; keep each notebook fast"
+    budget = BUDGET_S.get(path.stem, NOTEBOOK_BUDGET_S)
+    assert elapsed < budget, f"{path.name} took {elapsed:.0f} s; keep each notebook fast"
