@@ -117,7 +117,8 @@ class ParallelPlan:
         label = ",".join(parts) or "single"
         if self.pp > 1:
             label += f" {self.pp_schedule}" + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
-        return label + f" zero{self.zero_stage}"
+        sharded = self.dp_shard == -1 or self.dp_shard * self.cp > 1
+        return label + (f" zero{self.zero_stage}" if sharded else "")
 
     # ------------------------------------------------------------------ degrees
     @property

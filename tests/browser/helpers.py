@@ -31,13 +31,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def served_app(timeout_s: float = 60.0) -> Iterator[str]:
-    """Serve the app (``python -m widgets.app``) on a free local port; yield its URL."""
+def served_app(timeout_s: float = 60.0, args: tuple[str, ...] = ()) -> Iterator[str]:
+    """Serve the app (``python -m widgets.app [args]``) on a free local port; yield its URL."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    (ROOT / "test-artifacts").mkdir(exist_ok=True)  # git-ignored: absent in a fresh clone
     log = open(ROOT / "test-artifacts" / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "widgets.app", "--port", str(port)], cwd=ROOT, env=env,
+        [sys.executable, "-m", "widgets.app", "--port", str(port), *args], cwd=ROOT, env=env,
         stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}/"
