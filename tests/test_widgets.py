@@ -335,7 +335,7 @@ def test_app_sessions_do_not_share_state_and_serving_is_local_unless_authenticat
     assert a.state is not b.state
     a.state.nodes = 3
     assert b.state.nodes == 1
-    assert list(a.views) == [t for t, _ in SECTIONS] and len(SECTIONS) == 5
+    assert list(a.views) == [t for t, _ in SECTIONS] and len(SECTIONS) == 9  # 1-5 planning, 6-8 run, 9 bandwidth
     with pytest.raises(ConfigError) as err:
         serve(port=0, address="0.0.0.0")
     assert err.value.field == "address" and "requires authentication" in str(err.value)

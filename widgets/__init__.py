@@ -10,12 +10,21 @@ In a notebook::
     widgets.MeshView(state)                 # 3. the mesh on the cluster
     widgets.AdvisorView(state)              # 4. the plan advisor
     widgets.PipelineView(state)             # 5. pipeline bubbles
+    widgets.LaunchView(state)               # 6. launch, stop, resume a run
+    widgets.LiveView(state)                 # 7. the live run (and the measured pipeline)
+    widgets.CompareView(state)              # 8. compare two runs, replay one
+    widgets.BenchView(state)                # 9. measured bus bandwidth beside the planner's
 
 ``widgets.create_app()`` composes them into one page; ``widgets.serve()`` serves it (one fresh
 state per browser session). Data transforms live in :mod:`widgets.transforms` (no UI imports).
 """
 
 from .advisor_view import AdvisorView
+from .bench_view import BenchView
+from .compare_view import CompareView
+from .launch_view import LaunchView
+from .live_view import LiveView
+from .run_session import RunSession, session_of
 from .app import SECTIONS, create_app, extension, serve
 from .memory_view import MemoryView
 from .mesh_view import MeshView
@@ -25,6 +34,12 @@ from .state import PlanState
 
 __all__ = [
     "AdvisorView",
+    "BenchView",
+    "CompareView",
+    "LaunchView",
+    "LiveView",
+    "RunSession",
+    "session_of",
     "MemoryView",
     "MeshView",
     "ModelSketch",

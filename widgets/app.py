@@ -4,9 +4,10 @@
 ``serve()`` starts the server, on 127.0.0.1 unless told otherwise, and refuses any other address
 without authentication.
 
-The page is a list of sections (:data:`SECTIONS`, one tab each). The run views (launch, live run,
-compare runs) join the list when the trainer and launcher they drive exist; nothing stands in for
-them meanwhile.
+The page is a list of sections (:data:`SECTIONS`, one tab each): the planning views (1-5), the run
+views (6 launch, 7 live run, 8 compare runs; one :class:`~widgets.run_session.RunSession` per
+browser session, so a session sees and stops only its own runs) and 9, the measured bandwidth.
+Launched runs go under ``--runs`` (default ``$WORKBENCH_RUNS`` or ``./runs``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ import panel as pn
 from workbench import ConfigError, RunConfig, estimate_memory, predict_step
 
 from .advisor_view import AdvisorView
+from .bench_view import BenchView
+from .compare_view import CompareView
+from .launch_view import LaunchView
+from .live_view import LiveView
 from .memory_view import MemoryView
 from .mesh_view import MeshView
 from .model_view import ModelSketch
@@ -39,6 +44,10 @@ SECTIONS: list[tuple[str, Callable[[PlanState], pn.viewable.Viewer]]] = [
     ("3 · Mesh", MeshView),
     ("4 · Advisor", AdvisorView),
     ("5 · Pipeline", PipelineView),
+    ("6 · Launch", LaunchView),
+    ("7 · Live run", LiveView),
+    ("8 · Compare", CompareView),
+    ("9 · Bandwidth", BenchView),
 ]
 
 
@@ -90,6 +99,11 @@ def create_app(state: PlanState | None = None) -> pn.template.FastListTemplate:
         sidebar_width=300,
         theme_toggle=False,
     )
+    if pn.state.curdoc is not None and pn.state.curdoc.session_context is not None:
+        from .run_session import session_of
+
+        runs = session_of(state)  # the session's own runs end with it
+        pn.state.curdoc.on_session_destroyed(lambda _ctx: runs.shutdown())
     template.state = state  # type: ignore[attr-defined]  # for notebooks and tests
     template.views = views  # type: ignore[attr-defined]
     return template
@@ -136,7 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--address", default="127.0.0.1")
     ap.add_argument("--basic-auth", default=None)
     ap.add_argument("--show", action="store_true")
+    ap.add_argument("--runs", default=None, help="where launched runs go (default $WORKBENCH_RUNS or ./runs)")
     a = ap.parse_args(argv)
+    if a.runs:
+        import os
+
+        os.environ["WORKBENCH_RUNS"] = a.runs  # read by every session's RunSession
     try:
         serve(port=a.port, address=a.address, show=a.show, basic_auth=a.basic_auth)
     except ConfigError as err:

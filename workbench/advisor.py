@@ -1,6 +1,6 @@
 """The plan advisor: ``advise(model, cluster, train, top=10) -> Advice``.
 
-Enumerate every valid plan (TP, PP, CP, EP and data-parallel degrees, HSDP, pipeline schedule
+Enumerate every valid plan (TP, PP up to 32 stages of >= 2 blocks, CP, EP and data-parallel degrees, HSDP, pipeline schedule
 and virtual stages, micro-batch size, ZeRO stage, recomputation; sequence parallel is always on
 with TP, since it only saves memory), drop those that do not fit, rank the rest by predicted
 throughput, and explain the winners along the conservative scaling order:
@@ -129,7 +129,9 @@ def _plan_shapes(s: _Search) -> list[dict[str, int]]:
         if model.n_heads % tp or model.n_kv_heads % tp:
             continue
         for pp in _divisors(world // tp):
-            if pp > model.n_layers or pp > 64:
+            # At least two blocks per stage and at most 32 stages: deeper pipelines only add
+            # bubble and p2p latency (Llama 3 405B trained with pp = 16 on 16k GPUs).
+            if 2 * pp > model.n_layers or pp > 32:
                 continue
             rest = world // (tp * pp)
             for cp in (c for c in (1, 2, 4, 8) if rest % c == 0):

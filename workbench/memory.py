@@ -346,6 +346,26 @@ def estimate_memory(config: RunConfig) -> MemoryBill:
     stride = config.world_size // plan.pp
     context = config.cluster.gpu.context_bytes
     out = []
+    # Stages of equal shape (same layer count and kind, not first/last) hold the same weights:
+    # compute each shape once (the advisor calls this for thousands of plans of up to 64 stages).
+    shapes: dict[tuple, tuple[_StageParams, dict[str, float], float, int]] = {}
+
+    def stage_shape(stage: int) -> tuple[_StageParams, dict[str, float], float, int]:
+        first, last = stage == 0, stage == n_stages - 1
+        n_moe = _moe_layers_in(model, starts[stage], counts[stage])
+        key = (counts[stage], n_moe, first, last)
+        if key not in shapes:
+            sp_ = _stage_params(model, plan, starts[stage], counts[stage], first, last)
+            states = model_state_bytes(sp_.dense, train, plan.zero_stage, zero_d)
+            if sp_.experts:
+                for name, val in model_state_bytes(sp_.experts, train, plan.zero_stage, zero_e).items():
+                    states[name] += val
+            per_mb = (counts[stage] - n_moe) * dense_layer_act + n_moe * moe_layer_act
+            if last:
+                per_mb += output_activation_bytes(model, train, plan)
+            shapes[key] = (sp_, states, per_mb, n_moe)
+        return shapes[key]
+
     for r in range(plan.pp):
         stages = plan.stages_of_rank(r)
         in_flight = in_flight_microbatches(plan, m, r)
@@ -356,17 +376,10 @@ def estimate_memory(config: RunConfig) -> MemoryBill:
         pp_buffers = 0.0
         for stage, held in zip(stages, in_flight):
             first, last = stage == 0, stage == n_stages - 1
-            sp_ = _stage_params(model, plan, starts[stage], counts[stage], first, last)
+            sp_, states, per_mb, n_moe = stage_shape(stage)
             largest_unit = max(largest_unit, sp_.largest_unit)
-            for name, val in model_state_bytes(sp_.dense, train, plan.zero_stage, zero_d).items():
+            for name, val in states.items():
                 comps[name] += val
-            if sp_.experts:
-                for name, val in model_state_bytes(sp_.experts, train, plan.zero_stage, zero_e).items():
-                    comps[name] += val
-            n_moe = _moe_layers_in(model, starts[stage], counts[stage])
-            per_mb = (counts[stage] - n_moe) * dense_layer_act + n_moe * moe_layer_act
-            if last:
-                per_mb += output_activation_bytes(model, train, plan)
             act += held * per_mb
             if train.recompute == "full":
                 # backward recomputes one block at a time: its full activations are live once

@@ -1,0 +1,278 @@
+"""View 7, the live run (and 5b, the measured pipeline beside the simulated one).
+
+Curves of loss, tokens/s, MFU and gradient norm; the step-time distribution (median, p95, max,
+with the slowest rank); memory per rank measured against predicted; communication per group
+(time, bytes, bus bandwidth against the link's peak); the expert-load heat map of an MoE model;
+the checkpoint timeline; guards, faults, restarts and resumes marked on the curves; and the
+measured pipeline timeline of the latest step beside the planner's simulation.
+
+Everything refreshes from the session's poll (:mod:`widgets.run_session`): each poll hands over
+only the events appended since the last one, :class:`~widgets.run_transforms.RunDigest` folds
+them in, and the curves *stream* the new rows into their ColumnDataSources (Bokeh sends just
+those rows to the browser). Tables are re-rendered only when their kind of event arrived, and
+the measured Gantt chart at most every :data:`PIPELINE_REFRESH_S` seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import panel as pn
+import param
+from bokeh.models import ColumnDataSource, HoverTool, LinearColorMapper, Span
+from bokeh.plotting import figure
+
+from .pipeline_view import PipelineView
+from .run_session import RunSession, session_of
+from .run_transforms import CURVES, RunDigest, heatmap_rects
+from .state import PlanState
+from .transforms import format_bytes, format_seconds
+from .ui import card, cards, html_pane, table
+
+PIPELINE_REFRESH_S = 2.0
+CURVE_TITLES = {"loss": "loss", "tokens_per_s": "tokens/s", "mfu": "MFU", "grad_norm": "gradient norm"}
+CURVE_COLORS = {"loss": "#0072B2", "tokens_per_s": "#009E73", "mfu": "#E69F00", "grad_norm": "#CC79A7"}
+MARK_COLORS = {"guard": "#c62828", "fault": "#6a1b9a", "restart": "#ef6c00", "resume": "#2e7d32",
+               "error": "#b71c1c", "checkpoint_rejected": "#8d6e63"}
+
+
+def _rate(x: float | None) -> str:
+    if x is None:
+        return "-"
+    for div, unit in ((1e9, "GB/s"), (1e6, "MB/s"), (1e3, "kB/s")):
+        if x >= div:
+            return f"{x / div:,.2f} {unit}"
+    return f"{x:,.0f} B/s"
+
+
+class LiveView(pn.viewable.Viewer):
+    """The run of this session (launched or replayed), refreshed as its events arrive."""
+
+    state = param.ClassSelector(class_=PlanState)
+
+    def __init__(self, state: PlanState | None = None, session: RunSession | None = None, **params: Any):
+        super().__init__(state=state or PlanState(), **params)
+        self.session = session or session_of(self.state)
+        self.digest = RunDigest()
+        self.curves = ColumnDataSource(data={"step": [], **{k: [] for k in CURVES}, "step_time_s": []})
+        self.step_source = ColumnDataSource(data={k: [] for k in ("step", "p50", "p95", "max", "min", "slowest")})
+        self.experts = ColumnDataSource(data={"expert": [], "layer": [], "tokens": [], "share": []})
+        self.marks: list[dict[str, Any]] = []
+        self._spans: list[Span] = []
+        self.figures = {k: self._curve_figure(k) for k in CURVES}
+        self.step_figure = self._step_time_figure()
+        self.expert_figure = self._expert_figure()
+        self.pipeline = PipelineView(self.state)
+        self._pipeline_step: int | None = None
+        self._pipeline_at = 0.0
+        self._headline = html_pane(self._headline_html(), sizing_mode="stretch_width")
+        self._pipe_note = html_pane("", sizing_mode="stretch_width")
+        self._marks_pane = html_pane("", sizing_mode="stretch_width")
+        self._memory = html_pane("", sizing_mode="stretch_width")
+        self._comm = html_pane("", sizing_mode="stretch_width")
+        self._checkpoints = html_pane("", sizing_mode="stretch_width")
+        self._expert_pane = pn.pane.Bokeh(self.expert_figure)
+        self._expert_slot = pn.Row(margin=0)  # holds the heat map once an MoE run reports expert counts
+        self.session.on_reset(self.reset)
+        self.session.on_events(self.update)
+        self._layout = None
+
+    # ---- figures
+    def _curve_figure(self, key: str):
+        fig = figure(height=220, width=470, title=CURVE_TITLES[key], toolbar_location=None,
+                     tools="", x_axis_label="step")
+        fig.line("step", key, source=self.curves, line_width=2, color=CURVE_COLORS[key])
+        r = fig.scatter("step", key, source=self.curves, size=3, color=CURVE_COLORS[key])
+        fig.add_tools(HoverTool(renderers=[r], tooltips=[("step", "@step"), (CURVE_TITLES[key], f"@{key}{{0.0000}}")]))
+        fig.title.text_font_size = "13px"
+        return fig
+
+    def _step_time_figure(self):
+        fig = figure(height=240, width=950, title="step time per rank: median, p95, max (slowest rank on hover)",
+                     toolbar_location=None, tools="", x_axis_label="step", y_axis_label="s")
+        lines = (("p50", "#0072B2", "solid"), ("p95", "#E69F00", "dashed"), ("max", "#c62828", "dotted"))
+        for key, color, dash in lines:
+            fig.line("step", key, source=self.step_source, color=color, line_dash=dash, line_width=2, legend_label=key)
+        r = fig.scatter("step", "max", source=self.step_source, color="#c62828", size=4)
+        fig.add_tools(HoverTool(renderers=[r], tooltips=[("step", "@step"), ("median", "@p50{0.000} s"),
+                                                         ("p95", "@p95{0.000} s"), ("max", "@max{0.000} s"),
+                                                         ("slowest rank", "@slowest")]))
+        fig.legend.location = "top_right"
+        fig.legend.orientation = "horizontal"
+        fig.title.text_font_size = "13px"
+        return fig
+
+    def _expert_figure(self):
+        fig = figure(height=220, width=470, title="tokens per expert (latest step, all ranks)",
+                     toolbar_location=None, tools="", x_axis_label="expert", y_axis_label="MoE layer")
+        mapper = LinearColorMapper(palette="Viridis256", low=0, high=1)
+        fig.rect("expert", "layer", width=1, height=1, source=self.experts,
+                 fill_color={"field": "share", "transform": mapper}, line_color=None)
+        fig.add_tools(HoverTool(tooltips=[("layer", "@layer"), ("expert", "@expert"), ("tokens", "@tokens"),
+                                          ("share", "@share{0.0%}")]))
+        fig.title.text_font_size = "13px"
+        return fig
+
+    # ---- refresh
+    def reset(self) -> None:
+        """Another run is shown: empty the plots (the digest starts over)."""
+        self.digest = RunDigest(config=self.session.config)
+        self.curves.data = {k: [] for k in self.curves.data}
+        self.step_source.data = {k: [] for k in self.step_source.data}
+        self.experts.data = {k: [] for k in self.experts.data}
+        self._expert_slot.clear()
+        self.marks = []
+        for fig in self.figures.values():
+            for span in self._spans:
+                if span in fig.center:
+                    fig.center.remove(span)
+        self._spans = []
+        self._pipeline_step, self._pipeline_at = None, 0.0
+        self.pipeline.measured = []
+        if self.session.config is not None:
+            self.pipeline.use_plan(self.session.config)
+        for pane in (self._marks_pane, self._memory, self._comm, self._checkpoints, self._pipe_note):
+            pane.object = ""
+        self._headline.object = self._headline_html()
+
+    def update(self, new: list, status: Any = None) -> None:
+        """Fold a batch of new events in and stream what changed to the page."""
+        if self.digest.config is None and self.session.config is not None:
+            self.digest.config = self.session.config
+        if not new:
+            self._headline.object = self._headline_html(status)
+            return
+        out = self.digest.add(new)
+        resumed = [st for st, k in zip(out["markers"]["step"], out["markers"]["kind"]) if k == "resume"]
+        if resumed:  # the steps after the checkpoint run again: drop the lost attempt's tail
+            self._trim(min(resumed))
+        if out["curves"]["step"]:
+            self.curves.stream(out["curves"])
+        if out["step_times"]["step"]:
+            self.step_source.stream(out["step_times"])
+        if out["markers"]["step"]:
+            self._add_marks(out["markers"])
+        kinds = {e.get("kind") for e in new}
+        if "memory" in kinds:
+            self._memory.object = self._memory_html()
+        if "collectives" in kinds:
+            self._comm.object = self._comm_html()
+        if "checkpoint" in kinds:
+            self._checkpoints.object = self._checkpoint_html()
+        if "step" in kinds:
+            step, load = self.digest.experts()
+            if step is not None:
+                self.experts.data = heatmap_rects(load)
+                if not self._expert_slot.objects:
+                    self._expert_slot.append(self._expert_pane)
+        if "pipeline" in kinds:
+            self._refresh_pipeline(force=status is None or status.state not in ("starting", "running"))
+        self._headline.object = self._headline_html(status)
+
+    def _trim(self, step: int) -> None:
+        """Keep the curve rows of steps <= ``step`` (1-based: steps completed before the resume)."""
+        for src in (self.curves, self.step_source):
+            keep = [i for i, s in enumerate(src.data["step"]) if s <= step]
+            if len(keep) < len(src.data["step"]):
+                src.data = {k: [v[i] for i in keep] for k, v in src.data.items()}
+
+    def _refresh_pipeline(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._pipeline_at < PIPELINE_REFRESH_S:
+            return
+        step, actions = self.digest.pipeline()
+        if step is None or step == self._pipeline_step:
+            return
+        self._pipeline_step, self._pipeline_at = step, now
+        self.pipeline.show_measured(actions)
+        self._pipe_note.object = cards([card("Measured step", str(step + 1), "measured-step",
+                                             note="the latest step every pipeline rank reported")])
+
+    def _add_marks(self, cols: dict[str, list[Any]]) -> None:
+        for step, kind, label in zip(cols["step"], cols["kind"], cols["label"]):
+            self.marks.append({"step": step, "kind": kind, "label": label})
+            for fig in self.figures.values():
+                span = Span(location=step, dimension="height", line_color=MARK_COLORS.get(kind, "#555"),
+                            line_dash="dashed", line_width=2)
+                fig.add_layout(span)
+                self._spans.append(span)
+        rows = [[m["step"], m["kind"], m["label"]] for m in self.marks[-20:]]
+        self._marks_pane.object = "<b>Marked on the curves</b>" + table(["step", "kind", "what"], rows,
+                                                                         testid="run-marks", numeric=(0,))
+
+    # ---- html pieces
+    def _headline_html(self, status: Any = None) -> str:
+        d = self.digest
+        if not self.session.run_dir:
+            return ('<div class="wb-muted">No run yet: start one in 6 · Launch, or open a finished one in '
+                    "8 · Compare.</div>")
+        n = len(self.curves.data["step"])
+        loss = self.curves.data["loss"][-1] if n else None
+        tps = self.curves.data["tokens_per_s"][-1] if n else None
+        total = self.session.config.train.steps if self.session.config else None
+        state = status.state if status is not None else ("replay" if self.session.replay else "-")
+        items = [
+            card("State", state, "live-state"),
+            card("Step", f"{d.last_step or 0}" + (f" / {total}" if total else ""), "live-step"),
+            card("Loss", "-" if loss is None else f"{loss:.4f}", "live-loss"),
+            card("Tokens/s", "-" if tps is None else f"{tps:,.0f}", "live-tps"),
+            card("Points", str(n), "live-points", note="on the loss curve"),
+            card("Events", f"{d.events:,}", "live-events"),
+        ]
+        if d.errors:
+            items.append(card("Errors", str(len(d.errors)), "live-errors", note=d.errors[0][:120], tone="bad"))
+        return cards(items)
+
+    def _memory_html(self) -> str:
+        rows = []
+        for r in self.digest.memory():
+            cells = [r["rank"]]
+            for k in ("parameters", "gradients", "optimizer", "activations"):
+                p = r[f"{k}_predicted"]
+                cells.append(f"{format_bytes(r[k])} / {format_bytes(p) if p is not None else '-'}")
+            rows.append(cells)
+        return ("<b>Memory per rank</b> (measured / predicted)"
+                + table(["rank", "parameters", "gradients", "optimizer", "activations (peak)"], rows,
+                        testid="live-memory", numeric=(0, 1, 2, 3, 4)))
+
+    def _comm_html(self) -> str:
+        rows = []
+        for r in self.digest.comm_rows():
+            share = f"{r['busbw'] / r['peak']:.1%}" if r["peak"] else "-"
+            rows.append([r["dim"], r["op"], r["tier"] or "-", f"{r['calls']:.1f}", format_bytes(r["bytes"]),
+                         format_seconds(r["time_s"]), _rate(r["busbw"]), _rate(r["peak"]), share])
+        return ("<b>Communication per group</b> (per step and rank)"
+                + table(["group", "op", "link", "calls", "bytes", "time", "bus bw", "link peak", "of peak"], rows,
+                        testid="live-comm", numeric=(3, 4, 5, 6, 7, 8)))
+
+    def _checkpoint_html(self) -> str:
+        rows = self.digest.checkpoints()
+        t0 = rows[0]["t"] if rows else 0.0
+        cells = [[r["step"], r["phase"], r["mode"], f"+{r['t'] - t0:,.2f} s",
+                  format_bytes(r["bytes"]) if r["bytes"] else "-",
+                  format_seconds(r["duration_s"]) if r["duration_s"] else "-"] for r in rows[-24:]]
+        return ("<b>Checkpoints</b> (save: started, staged, written, committed, verified; restore: verified, loaded)"
+                + table(["step", "phase", "mode", "when", "bytes", "duration"], cells, testid="live-checkpoints",
+                        numeric=(0, 3, 4, 5)))
+
+    def panel(self) -> pn.viewable.Viewable:
+        if self._layout is None:
+            grid = pn.GridBox(*[pn.pane.Bokeh(f) for f in self.figures.values()], ncols=2)
+            self._layout = pn.Column(
+                self._headline,
+                grid,
+                self._marks_pane,
+                pn.pane.Markdown("### Pipeline: measured (latest step) beside simulated", margin=(10, 10, 0, 10)),
+                self._pipe_note,
+                self.pipeline.panel(),
+                pn.pane.Bokeh(self.step_figure),
+                pn.Row(self._memory, self._expert_slot),
+                self._comm,
+                self._checkpoints,
+                sizing_mode="stretch_width",
+            )
+        return self._layout
+
+    def __panel__(self) -> pn.viewable.Viewable:
+        return self.panel()
