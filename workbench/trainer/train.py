@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -402,6 +403,10 @@ def _checkpointer(trainer: Trainer, writer: EventWriter | None, run_dir: str | P
     return checkpointer
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point under torchrun: ``python -m workbench.trainer <run_dir>/config.json [--resume]``.
 
@@ -419,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     writer = EventWriter(run_dir, rank)
     t_start = time.time()
     step = 0
+    # A stop (the launcher's or torchrun's SIGTERM) is an interruption, not an error: it ends
+    # the run with run_end "interrupted", which a later resume reports as such.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         config = RunConfig.load(str(config_path))
         check_trainable(config)  # the launchers checked too; a hand-written config.json may not be
@@ -438,9 +446,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except BaseException as e:  # noqa: BLE001 - report everything, then die fast
         message = f"rank {rank}: {type(e).__name__}: {e}"
+        interrupted = isinstance(e, KeyboardInterrupt)
         try:
-            writer.emit(Error(error=message, traceback=traceback.format_exc()))
-            writer.emit(RunEnd(status="interrupted" if isinstance(e, KeyboardInterrupt) else "error",
+            if not interrupted:
+                writer.emit(Error(error=message, traceback=traceback.format_exc()))
+            writer.emit(RunEnd(status="interrupted" if interrupted else "error",
                                step=step, elapsed_s=time.time() - t_start))
             writer.close()
         finally:
