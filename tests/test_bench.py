@@ -189,48 +189,61 @@ def test_compute_benchmark_measures_flops(tmp_path) -> None:
 
 # ---------------------------------------------------------------------------- the real benchmark
 @pytest.mark.multiprocess
-def test_benchmark_calibrates_and_predicts_held_back_sizes(tmp_path) -> None:
-    """torchrun with 4 gloo ranks (local-cpu, 2 nodes of 2), plan tp=2 x dp_shard=2; time the TP
-    groups (intra_node, n=2) and the world (inter_node, n=4), every collective, 8 B .. 2 MiB.
-    (dp_shard's groups also cross nodes, with n=2: a calibration has one (alpha, B) per tier and
-    collective, so the test keeps one group size per tier.)
-
-    Calibrate on the even rungs of the size ladder (8 B, 32 B, ..., 2 MiB) and hold back the odd
-    ones (16 B, 64 B, ..., 1 MiB): every held-back size lies inside the calibrated range, so this
-    tests interpolation. The calibrated planner (``collective_time`` on the calibrated Cluster)
-    predicts the measured median times of the held-back sizes within 25 %: the median error over
-    all of them, and for at least half of them one by one. Not every one: on this shared 2-core
-    machine other processes make the median of a single size jump by 30-50 % (neighbouring
-    sizes measured 0.6 ms and 1.3 ms for the same 2-rank all-reduce under load); each collective's
-    median error must still stay within 50 %, which a wrong bus factor or unit would break. The
-    exact recovery of alpha and B is tested on synthetic data above."""
+def test_four_rank_benchmark_times_every_group_of_the_plan(tmp_path) -> None:
+    """torchrun with 4 gloo ranks (local-cpu, 2 nodes of 2), plan tp=2 x dp_shard=2: the TP groups
+    (intra_node, n=2) and the world (inter_node, n=4), every collective, 8 B .. 2 MiB; results
+    file, table and a calibration from it. Four ranks share this machine's two cores, so their
+    timings carry scheduling jitter: accuracy is tested one rank per core below."""
     sizes = size_ladder(2 << 20)
     results = run_comms_benchmark(LOCAL, "tp=2,dp_shard=2", tmp_path, run_id="bench", sizes=sizes,
-                                  dims=("tp", "world"), point_budget_s=0.1, min_samples=9, stream=lambda line: None)
+                                  dims=("tp", "world"), point_budget_s=0.05, min_samples=5, stream=lambda line: None)
     assert results.backend == "gloo" and results.world_size == 4
     timed = {(r.dim, r.tier, r.group_size) for r in results.rows}
     assert timed == {("tp", "intra_node", 2), ("world", "inter_node", 4)}
     assert len(results.rows) == 2 * len(OPS) * len(sizes)
     assert results.implementations["reduce_scatter"] == "reduce_scatter_tensor"
     for r in results.rows:
-        assert 0 < r.time_min_s <= r.time_median_s <= r.time_p95_s and r.samples >= 9
+        assert 0 < r.time_min_s <= r.time_median_s <= r.time_p95_s and r.samples >= 5
+        factor = BUS_FACTOR[r.op](r.group_size)
+        assert r.busbw == pytest.approx(r.size_bytes / r.time_median_s * factor)
     assert load_results(tmp_path / "bench") == results
-    print(format_table(results))
+    table = format_table(results)
+    print(table)
+    assert "dim=tp  group_size=2  tier=intra_node" in table and "dim=world  group_size=4  tier=inter_node" in table
 
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nodes,tier", [(1, "intra_node"), (2, "inter_node")])
+def test_calibration_predicts_held_back_sizes(tmp_path, nodes: int, tier: str) -> None:
+    """Two gloo ranks, one per core (no time-sharing), on one "node" (intra_node) or two
+    (inter_node); every collective 8 B .. 2 MiB. Calibrate on the even rungs of the size ladder
+    (8 B, 32 B, ..., 2 MiB) and hold back the odd ones (16 B, 64 B, ..., 1 MiB), all inside the
+    calibrated range (interpolation). The calibrated planner (``collective_time`` on the calibrated
+    Cluster) predicts the measured median times of the held-back sizes within 25 %, as the median
+    error of every collective and of all sizes together. One by one, 70-98 % of the sizes land
+    within 25 % from run to run on this shared virtual machine (a size's median can still catch a
+    scheduling hiccup), so the per-size share is printed, not asserted. The exact recovery of
+    alpha and B is tested on synthetic data above."""
+    cluster = Cluster.preset("local-cpu", nodes=nodes, gpus_per_node=2 // nodes)
+    sizes = size_ladder(2 << 20)
+    results = run_comms_benchmark(cluster, "dp_shard=2", tmp_path, run_id="bench", sizes=sizes, dims=("world",),
+                                  point_budget_s=0.1, min_samples=9, stream=lambda line: None)
+    assert {(r.tier, r.group_size) for r in results.rows} == {(tier, 2)}
     held = set(sizes[1::2])
     assert max(held) < max(sizes) and min(held) > min(sizes)  # interpolation only
     report = calibration_report([results], select=lambda r: r.requested_bytes not in held)
     print(format_fit(report))
     errors = prediction_errors(report.cluster, [r for r in results.rows if r.requested_bytes in held])
-    by_op: dict[tuple[str, str], list[float]] = {}
+    assert len(errors) == len(OPS) * len(held)
+    by_op: dict[str, list[float]] = {}
     for row, predicted, err in errors:
-        by_op.setdefault((row.tier, row.op), []).append(abs(err))
-        print(f"{row.dim:>6} {row.op:>15} {row.size_bytes:>8} B  measured {row.time_median_s * 1e6:9.1f} us  "
+        by_op.setdefault(row.op, []).append(abs(err))
+        print(f"{row.op:>15} {row.size_bytes:>8} B  measured {row.time_median_s * 1e6:9.1f} us  "
               f"predicted {predicted * 1e6:9.1f} us  {err:+.0%}")
     everything = [abs(e) for *_, e in errors]
     within = sum(e <= 0.25 for e in everything) / len(everything)
-    print(f"held-back: median error {statistics.median(everything):.0%}, {within:.0%} of sizes within 25%")
+    print(f"{tier} held-back: median error {statistics.median(everything):.1%}, {within:.0%} of sizes within 25%")
     assert statistics.median(everything) <= 0.25
-    assert within >= 0.5
-    for (tier, op), errs in by_op.items():
-        assert statistics.median(errs) <= 0.5, f"{tier} {op}: median held-back error {statistics.median(errs):.0%}"
+    for op, errs in by_op.items():
+        assert statistics.median(errs) <= 0.25, f"{tier} {op}: median held-back error {statistics.median(errs):.0%}"
+
