@@ -13,6 +13,7 @@ import json
 import math
 import random
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -247,3 +248,24 @@ def test_calibration_predicts_held_back_sizes(tmp_path, nodes: int, tier: str) -
     for op, errs in by_op.items():
         assert statistics.median(errs) <= 0.25, f"{tier} {op}: median held-back error {statistics.median(errs):.0%}"
 
+
+
+@pytest.mark.multiprocess
+def test_benchmark_runs_through_the_training_launcher(tmp_path) -> None:
+    """The same launcher as training runs: two local Jupyter kernels as two nodes of two ranks,
+    each starting torchrun over the benchmark's entry; the results file lands in the run
+    directory beside the launcher's records, and no process is left behind."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    results = run_comms_benchmark(LOCAL, "tp=2,dp_shard=2", tmp_path, run_id="kernels", max_bytes=4096,
+                                  dims=("tp", "world"), point_budget_s=0.02, min_samples=3, backend="local",
+                                  timeout_s=240, stream=lambda line: None)
+    run_dir = tmp_path / "kernels"
+    assert Path(results.path) == run_dir / "comms.json" and results.world_size == 4 and results.backend == "gloo"
+    assert {(r.dim, r.tier, r.group_size) for r in results.rows} == {("tp", "intra_node", 2), ("world", "inter_node", 4)}
+    assert len(results.rows) == 2 * len(OPS) * len(size_ladder(4096))
+    assert (run_dir / "bench.json").exists() and (run_dir / "launch").is_dir()
+    assert any("--bench" in line for log in (run_dir / "launch").glob("torchrun-node*.log") for line in log.read_text().splitlines())
+    leftover = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not [p for p in leftover if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

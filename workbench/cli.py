@@ -301,16 +301,25 @@ def bench() -> None:
               help="Cluster preset or a cluster JSON file.")
 @click.option("--nodes", type=int, default=2, show_default=True)
 @click.option("--plan", "plan_text", default="", help='Plan whose groups to measure, e.g. "tp=2,dp_shard=2".')
-@click.option("--backend", type=click.Choice(["local"]), default="local", show_default=True,
-              help="How processes start (torchrun on this machine).")
+@click.option("--backend", type=click.Choice(["local", "ssh", "gateway", "torchrun"]), default="local", show_default=True,
+              help="The launcher of training runs (Jupyter kernels: local, ssh, gateway), or plain local torchrun.")
+@click.option("--hosts", default=None, help="ssh: comma-separated [user@]host[:port], one per node.")
+@click.option("--url", default=None, help="gateway: the Kernel Gateway URL (token from $WORKBENCH_GATEWAY_TOKEN).")
 @click.option("--max-bytes", type=int, default=None, help="Largest message (default 256 MiB on GPU, 16 MiB on CPU).")
 @click.option("--runs", "run_root", default="runs", show_default=True)
-def bench_comms(cluster_name: str, nodes: int, plan_text: str, backend: str, max_bytes: int | None, run_root: str) -> None:
+def bench_comms(cluster_name: str, nodes: int, plan_text: str, backend: str, hosts: str | None, url: str | None,
+                max_bytes: int | None, run_root: str) -> None:
     """All-reduce, all-gather, reduce-scatter, all-to-all and send/recv from 8 B up, per group dimension."""
     from .bench import format_table, run_comms_benchmark
 
     cluster = load_cluster(cluster_name, nodes)
-    results = run_comms_benchmark(cluster, plan_text or None, run_root, max_bytes=max_bytes, stream=click.echo)
+    options: dict[str, Any] = {}
+    if hosts:
+        options["hosts"] = [h.strip() for h in hosts.split(",") if h.strip()]
+    if url:
+        options["url"] = url
+    results = run_comms_benchmark(cluster, plan_text or None, run_root, max_bytes=max_bytes, stream=click.echo,
+                                  backend=None if backend == "torchrun" else backend, backend_options=options)
     click.echo(format_table(results))
     click.echo(f"results: {results.path}")
 

@@ -67,7 +67,8 @@ def new_bench_id(spec: BenchSpec) -> str:
 def run_comms_benchmark(config_or_cluster: RunConfig | Cluster | BenchSpec, plan: ParallelPlan | str | None = None,
                         run_root: str | os.PathLike = "runs", *, run_id: str | None = None,
                         stream: Callable[[str], None] = print, env: dict[str, str] | None = None,
-                        timeout_s: float | None = None, **spec_options: Any) -> CommsResults:
+                        timeout_s: float | None = None, backend: str | None = None,
+                        backend_options: dict[str, Any] | None = None, **spec_options: Any) -> CommsResults:
     """Benchmark the collectives of ``plan`` on this machine: write ``<run_root>/<run_id>/bench.json``,
     run torchrun with one process per rank of the cluster (all on this host for now), and return
     the results rank 0 wrote to ``comms.json`` there (``results.path``). ``spec_options`` go to :func:`bench_spec`
@@ -75,6 +76,9 @@ def run_comms_benchmark(config_or_cluster: RunConfig | Cluster | BenchSpec, plan
     ``torchrun.log`` when the job fails."""
     spec = config_or_cluster if isinstance(config_or_cluster, BenchSpec) else \
         bench_spec(config_or_cluster, plan, **spec_options)
+    if backend is not None:
+        return _run_through_launcher(spec, backend, run_root, run_id=run_id, stream=stream, env=env,
+                                     timeout_s=timeout_s, **(backend_options or {}))
     run_dir = Path(run_root) / (run_id or new_bench_id(spec))
     run_dir.mkdir(parents=True, exist_ok=False)
     spec_path = run_dir / "bench.json"
@@ -97,6 +101,39 @@ def run_comms_benchmark(config_or_cluster: RunConfig | Cluster | BenchSpec, plan
     results = load_results(run_dir / "comms.json")
     require(isinstance(results, CommsResults), "comms.json is not a comms results file", field="results")
     stream(f"done: {run_dir / 'comms.json'} ({results.wall_s:.1f} s)")
+    return results
+
+
+def _run_through_launcher(spec: BenchSpec, backend: str, run_root: str | os.PathLike, *, run_id: str | None,
+                          stream: Callable[[str], None], env: dict[str, str] | None, timeout_s: float | None,
+                          **options: Any) -> CommsResults:
+    """The benchmark through the same launcher as training runs (issue 6): one Jupyter kernel per
+    node (``backend`` local, ssh or gateway) starts torchrun over the benchmark's entry. The run
+    directory holds ``bench.json`` and, from rank 0, ``comms.json`` (with a remote backend it is
+    written on node 0: use ``shared_run_root=True`` to read it here)."""
+    import json
+
+    from ..config import TrainSettings
+    from ..launch import launch
+    from ..model import ModelSpec
+
+    # The launcher sizes the job from a RunConfig: the cluster, and a plan of the same world size.
+    sizing = RunConfig(ModelSpec.preset("tiny"), spec.cluster, ParallelPlan(dp_shard=spec.world_size, zero_stage=0),
+                       TrainSettings(seq_len=64))
+    run = launch(sizing, backend, run_root=run_root, run_id=run_id or new_bench_id(spec), env=env,
+                 program=["--bench", "{run_dir}/bench.json"], files={"bench.json": json.dumps(spec.to_dict(), indent=1)},
+                 **options)
+    stream(f"bench {run.path}  ({spec.world_size} ranks through {backend} kernels, plan {spec.plan.describe()})")
+    try:
+        status = run.wait(timeout_s)
+    finally:
+        run.shutdown()
+    out = Path(run.path) / "comms.json"
+    if status.state != "finished" or not out.exists():
+        raise RuntimeError(f"benchmark through the {backend} launcher ended {status.state}: {status.why}")
+    results = load_results(out)
+    require(isinstance(results, CommsResults), "comms.json is not a comms results file", field="results")
+    stream(f"done: {out} ({results.wall_s:.1f} s)")
     return results
 
 

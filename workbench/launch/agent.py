@@ -226,6 +226,11 @@ class NodeAgent:
             if not os.path.exists(config_path):  # a node that does not share the driver's disk
                 with open(config_path, "w") as f:
                     f.write(spec["config_json"])
+            for name, text in (spec.get("files") or {}).items():  # e.g. a benchmark's bench.json
+                path = os.path.join(self.run_dir, os.path.basename(name))
+                if not os.path.exists(path):
+                    with open(path, "w") as f:
+                        f.write(text)
             nproc = int(spec["nproc"])
             self.ranks = list(range(spec["node_rank"] * nproc, (spec["node_rank"] + 1) * nproc))
             since = {int(r): int(s) for r, s in (spec.get("since") or {}).items()}
@@ -319,8 +324,11 @@ class NodeAgent:
                "--rdzv-backend=c10d", f"--rdzv-endpoint={spec['rdzv_endpoint']}", f"--rdzv-id={spec['rdzv_id']}",
                f"--rdzv-conf=join_timeout={int(spec.get('join_timeout_s', 120))},is_host={is_host}",
                f"--local-addr={spec['local_addr']}", f"--max-restarts={int(spec.get('max_restarts', 0))}",
-               "-m", "workbench.launch.worker", config_path]
-        return cmd + (["--resume"] if spec.get("resume") else [])
+               "-m", "workbench.launch.worker"]
+        program = spec.get("program")
+        if program:  # another program than the trainer: its arguments, {run_dir} filled in
+            return cmd + [str(a).replace("{run_dir}", self.run_dir) for a in program]
+        return cmd + [config_path] + (["--resume"] if spec.get("resume") else [])
 
     def _refresh_known(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

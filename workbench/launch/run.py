@@ -149,9 +149,13 @@ class Run:
 
     def __init__(self, path: Path, config: RunConfig, backend: Any, nodes: list[_Node], *,
                  env: dict[str, str] | None = None, join_timeout_s: float = 120.0, max_restarts: int = 0,
-                 stop_timeout_s: float = 10.0, attempt: int = 0):
+                 stop_timeout_s: float = 10.0, attempt: int = 0, program: list[str] | None = None,
+                 files: dict[str, str] | None = None):
         self.path, self.config, self.backend, self.nodes = Path(path), config, backend, nodes
         self.env = dict(env or {})
+        # Another program than the trainer under the same launcher (the cluster benchmark):
+        # worker arguments with {run_dir} filled in on each node, and files written there first.
+        self.program, self.files = program, dict(files or {})
         self.join_timeout_s, self.max_restarts, self.stop_timeout_s = join_timeout_s, max_restarts, stop_timeout_s
         self.attempt = attempt
         self.nproc = config.cluster.gpus_per_node
@@ -321,7 +325,7 @@ class Run:
                         # torchrun's own limit comes later: the driver's verdict names the node that is missing.
                         local_addr=node.addr, join_timeout_s=self.join_timeout_s + 30, max_restarts=self.max_restarts,
                         resume=resume, env=self.env, since={str(k): v for k, v in self._since.items()},
-                        attempt=self.attempt)
+                        attempt=self.attempt, program=self.program, files=self.files)
             reply = self._call(node, "start", spec)
             if not reply.get("ok"):
                 node.state, node.why = "failed", reply.get("why", "start failed")
@@ -632,6 +636,7 @@ def append_once(path: Path, event: dict[str, Any]) -> bool:
 def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.PathLike = "runs",
            run_id: str | None = None, env: dict[str, str] | None = None, join_timeout_s: float = 120.0,
            max_restarts: int = 0, stop_timeout_s: float = 10.0, hold: tuple[int, ...] = (),
+           program: list[str] | None = None, files: dict[str, str] | None = None,
            **backend_options: Any) -> Run:
     """Start ``config`` on ``config.cluster.nodes`` kernels and return its :class:`Run`.
 
@@ -639,9 +644,12 @@ def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.Path
     key authentication), "gateway" (``url=``, ``token=``). ``env``: extra environment of every
     rank. ``join_timeout_s``: how long the nodes may take to meet at the rendezvous.
     ``hold``: nodes whose kernel starts but whose torchrun does not (to test a node that never
-    joins). Raises :class:`ConfigError` before anything starts when the trainer cannot run the
-    config or an option is wrong."""
-    check_trainable(config)
+    joins). ``program`` / ``files``: run another program of the worker than the trainer (the
+    cluster benchmark: ``["--bench", "{run_dir}/bench.json"]`` with ``files={"bench.json": ...}``);
+    ``config`` then only sizes the job. Raises :class:`ConfigError` before anything starts when the
+    trainer cannot run the config or an option is wrong."""
+    if program is None:
+        check_trainable(config)
     if config.cluster.nodes * config.cluster.gpus_per_node != config.world_size:
         raise ConfigError(f"nodes x gpus_per_node = {config.cluster.nodes} x {config.cluster.gpus_per_node} "
                           f"!= world size {config.world_size}", field="cluster.nodes", value=config.cluster.nodes)
@@ -653,7 +661,7 @@ def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.Path
     addrs = be.node_addresses(config.cluster.nodes)
     nodes = [_Node(i, addrs[i], be.run_dir_of(path, i), held=i in hold) for i in range(config.cluster.nodes)]
     run = Run(path, config, be, nodes, env=env, join_timeout_s=join_timeout_s, max_restarts=max_restarts,
-              stop_timeout_s=stop_timeout_s)
+              stop_timeout_s=stop_timeout_s, program=program, files=files)
     errors = run._each(run._start_kernel, nodes)
     if any(errors):
         bad = next(f"node {n.index}: {e}" for n, e in zip(nodes, errors) if e is not None)
