@@ -151,14 +151,6 @@ class GatewayChannel(KernelChannel):
             raise KernelError("the kernel died" if self._closed.is_set() else f"no reply within {timeout_s:.0f} s")
         return reply["content"]
 
-    def messages(self) -> list[dict[str, Any]]:
-        out = []
-        while True:
-            try:
-                out.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return out
-
     def alive(self) -> bool:
         try:
             model = self.http.request("GET", f"/api/kernels/{self.kernel_id}", timeout_s=10)

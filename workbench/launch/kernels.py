@@ -58,6 +58,7 @@ class KernelChannel:
     kernel keeps running), ``shutdown`` ends the kernel."""
 
     description: dict[str, Any]  # how to reconnect, without secrets (saved in launch.json)
+    _inbox: queue.Queue  # iopub messages, filled by the channel's reader thread
 
     def call(self, code: str, timeout_s: float = 60.0) -> Any:
         """Run ``code`` (which sets ``_wb_out``) and return ``_wb_out`` (JSON-able)."""
@@ -73,7 +74,13 @@ class KernelChannel:
         raise NotImplementedError
 
     def messages(self) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """Every message received since the last call (never blocks)."""
+        out = []
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
 
     def alive(self) -> bool:
         raise NotImplementedError
@@ -143,14 +150,6 @@ class ZmqChannel(KernelChannel):
                     continue
                 if reply["parent_header"].get("msg_id") == msg_id:
                     return reply["content"]
-
-    def messages(self) -> list[dict[str, Any]]:
-        out = []
-        while True:
-            try:
-                out.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return out
 
     def alive(self) -> bool:
         if self.owner is not None and hasattr(self.owner, "is_alive"):
