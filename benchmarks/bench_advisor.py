@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
-from workbench.advisor import advise
-from workbench.memory import estimate_memory
-from workbench.perf import predict_step
+from workbench.predict.advisor import advise
+from workbench.predict.memory import estimate_memory
+from workbench.predict.perf import predict_step
 
 
 def main() -> None:

@@ -15,10 +15,11 @@ import argparse
 import statistics
 from pathlib import Path
 
-from workbench.bench import (calibration_report, format_fit, format_table, run_comms_benchmark,
-                             run_compute_benchmark, size_ladder)
+from workbench.bench import calibration_report, format_fit, run_compute_benchmark
+from workbench.launch.benchmark import run_comms_benchmark
+from workbench.rundir.benchmarks import format_table, size_ladder
 from workbench.bench.calibrate import prediction_errors
-from workbench.cluster import Cluster
+from workbench.spec.cluster import Cluster
 
 
 def main() -> None:

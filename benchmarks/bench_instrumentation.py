@@ -24,7 +24,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from workbench.launch.local import config_from_cli
-    from workbench.telemetry import EventWriter, create_run_dir
+    from workbench.rundir import EventWriter, create_run_dir
     from workbench.trainer.train import init_distributed, run_training
 
     rank, world, _, _ = init_distributed()
@@ -42,7 +42,7 @@ def worker(args: argparse.Namespace) -> None:
             with EventWriter(root / run_id, rank) as writer:
                 run_training(config, writer)
             if rank == 0:
-                from workbench.telemetry import read_rank_events
+                from workbench.rundir import read_rank_events
 
                 steps = [e for e in read_rank_events(root / run_id, 0) if e["kind"] == "step"]
                 times[mode] += [e["step_time_s"] for e in steps[args.skip:]]
@@ -75,7 +75,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from workbench.plan import ParallelPlan
+    from workbench.spec.plan import ParallelPlan
 
     plan = ParallelPlan.parse(args.plan, dp_shard=1)
     world = plan.pp * plan.dp_replicate * plan.dp_shard * plan.cp * plan.tp

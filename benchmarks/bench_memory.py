@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
-from workbench.memory import estimate_memory
+from workbench.predict.memory import estimate_memory
 
 
 def rate(fn, seconds: float = 1.0) -> float:

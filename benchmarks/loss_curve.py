@@ -34,7 +34,7 @@ def main() -> None:
         losses = run_training(config)
     else:
         from workbench.launch.local import train_local
-        from workbench.telemetry import load_run
+        from workbench.rundir import load_run
 
         root = tempfile.mkdtemp()
         assert train_local(config, run_root=root, run_id="curve", stream=lambda s: None) == 0

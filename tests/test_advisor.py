@@ -5,10 +5,10 @@ import math
 import pytest
 
 from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
-from workbench.advisor import advise
-from workbench.cost import estimate_cost, optimal_checkpoint_interval
-from workbench.memory import estimate_memory
-from workbench.perf import predict_step
+from workbench.predict.advisor import advise
+from workbench.predict.cost import estimate_cost, optimal_checkpoint_interval
+from workbench.predict.memory import estimate_memory
+from workbench.predict.perf import predict_step
 
 TRAIN = TrainSettings(seq_len=4096, global_batch_size=256).with_precision("bf16-megatron")
 

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from workbench.bench import (BenchSpec, CommsResults, CommsRow, ComputeResults, calibrate, calibration_report,
-                             fit_alpha_beta, format_fit, format_table, gemm_shapes, load_results,
-                             run_comms_benchmark, run_compute_benchmark, save_results, size_ladder)
+from workbench.bench import calibrate, calibration_report, fit_alpha_beta, format_fit, gemm_shapes, run_compute_benchmark
 from workbench.bench.calibrate import prediction_errors
-from workbench.bench.results import SCHEMA_VERSION
-from workbench.cluster import Calibration, Cluster, LinkCalibration
-from workbench.comms import BUS_FACTOR, OPS, collective_time
-from workbench.errors import ConfigError
-from workbench.model import ModelSpec
-from workbench.plan import ParallelPlan
+from workbench.launch.benchmark import run_comms_benchmark
+from workbench.rundir.benchmarks import (SCHEMA_VERSION, BenchSpec, CommsResults, CommsRow, ComputeResults, format_table,
+                                         load_results, save_results, size_ladder)
+from workbench.spec.cluster import Calibration, Cluster, LinkCalibration
+from workbench.predict.comms import BUS_FACTOR, OPS, collective_time
+from workbench.spec.errors import ConfigError
+from workbench.spec.model import ModelSpec
+from workbench.spec.plan import ParallelPlan
 
 LOCAL = Cluster.preset("local-cpu", nodes=2)  # 4 ranks: 2 "nodes" of 2
 

@@ -53,7 +53,7 @@ def copy_run(src: Path, dst: Path, steps: list[int]) -> Path:
 
 
 def train(config, run_dir: Path, **kw) -> list[float]:
-    from workbench.telemetry.events import EventWriter
+    from workbench.rundir.events import EventWriter
     from workbench.trainer.train import run_training
 
     with EventWriter(run_dir, 0) as writer:
@@ -61,7 +61,7 @@ def train(config, run_dir: Path, **kw) -> list[float]:
 
 
 def events(run_dir: Path, kind: str | None = None, rank: int | None = None) -> list[dict]:
-    from workbench.telemetry import read_events
+    from workbench.rundir import read_events
 
     return [e for e in read_events(run_dir) if (kind is None or e["kind"] == kind) and (rank is None or e["rank"] == rank)]
 
@@ -77,7 +77,7 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     """An uninterrupted 6-step run checkpointing at steps 3 and 6 (synchronously)."""
-    from workbench.telemetry import create_run_dir
+    from workbench.rundir import create_run_dir
 
     config = make_config("", 1)
     run_dir = create_run_dir(config, tmp_path_factory.mktemp("ckpt"), "baseline")
@@ -97,7 +97,7 @@ def test_settings_are_validated():
 
 
 def test_committed_checkpoint_files_events_and_size(baseline):
-    from workbench.cost import checkpoint_bytes
+    from workbench.predict.cost import checkpoint_bytes
     from workbench.trainer.checkpoint import list_checkpoints, verify_checkpoint
 
     run_dir, _, config = baseline
@@ -116,7 +116,7 @@ def test_committed_checkpoint_files_events_and_size(baseline):
         assert [e["phase"] for e in ck if e["step"] == step] == ["started", "staged", "written", "committed", "verified"]
     # The measured twin of the planner's checkpoint size: parameters + Adam's two moments, fp32,
     # plus one 4-byte step counter per parameter tensor.
-    from workbench.trainer.model import build_model
+    from workbench.trainer.transformer import build_model
 
     n_tensors = len(list(build_model(config.model, "meta").parameters()))
     staged = next(e for e in ck if e["phase"] == "staged" and e["step"] == 3)
@@ -206,7 +206,7 @@ def test_no_good_checkpoint_starts_from_zero(baseline, tmp_path):
 
 
 def test_retention_deletes_only_after_a_newer_commit(tmp_path):
-    from workbench.telemetry import create_run_dir
+    from workbench.rundir import create_run_dir
     from workbench.trainer.checkpoint import list_checkpoints
 
     config = make_config("", 1, steps=3, checkpoint_every=1, checkpoint_keep=2)
@@ -236,7 +236,7 @@ def worker(spec_path: str) -> None:
     import torch.distributed as dist
 
     from workbench import RunConfig
-    from workbench.telemetry.events import EventWriter
+    from workbench.rundir.events import EventWriter
     from workbench.trainer.train import init_distributed, run_training
 
     rank, _, _, _ = init_distributed()
@@ -258,7 +258,7 @@ def worker(spec_path: str) -> None:
 
 
 def run_tasks(tasks: dict, world: int, tmp_path: Path) -> dict[str, list[float]]:
-    from workbench.telemetry import create_run_dir
+    from workbench.rundir import create_run_dir
 
     spec = {"out": str(tmp_path / f"losses-{world}.json"), "tasks": {}}
     for name, (plan, _, overrides, source, steps) in tasks.items():

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
 from workbench.cli import main
-from workbench.memory import estimate_memory
+from workbench.predict.memory import estimate_memory
 
 REFERENCE = ["memory", "--model", "llama3-70b", "--gpu", "h100-80gb", "--gpus", "64", "--tp", "8", "--pp", "4",
              "--seq", "8192", "--mbs", "1", "--recompute", "selective"]
@@ -75,7 +75,7 @@ def test_plan_command_prints_ranked_plans_and_baseline():
 
 
 def test_plan_json_matches_the_advisor():
-    from workbench.advisor import advise
+    from workbench.predict.advisor import advise
 
     result = CliRunner().invoke(main, ["plan", "--model", "llama3-8b", "--nodes", "2", "--seq", "4096", "--gbs", "256",
                                        "--top", "2", "--json"])

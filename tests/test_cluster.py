@@ -3,7 +3,7 @@
 import pytest
 
 from workbench import Calibration, Cluster, ConfigError
-from workbench.cluster import LinkCalibration, LinkSpec
+from workbench.spec.cluster import LinkCalibration, LinkSpec
 
 
 @pytest.mark.parametrize("name", ["dgx-h100", "dgx-h200", "dgx-a100", "pcie-l40s", "local-cpu"])

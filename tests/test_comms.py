@@ -8,8 +8,8 @@ import time
 import pytest
 
 from workbench import Calibration, Cluster, ConfigError, ModelSpec, ParallelPlan, RunConfig, TrainSettings
-from workbench.cluster import LinkCalibration
-from workbench.comms import (
+from workbench.spec.cluster import LinkCalibration
+from workbench.predict.comms import (
     BUS_FACTOR,
     collective_time,
     link_traffic,
@@ -340,8 +340,8 @@ def test_step_collectives_is_fast_enough_for_the_advisor():
 
 def test_group_shapes_agree_with_the_plan_mesh():
     from workbench import LinkSpec
-    from workbench.comms import _shape_by_listing, _progression, group_members, group_shape
-    from workbench.plan import group_tier
+    from workbench.predict.comms import _shape_by_listing, _progression, group_members, group_shape
+    from workbench.spec.plan import group_tier
 
     spine = LinkSpec("spine", 25e9, 8e-6)
     clusters = [Cluster.preset("dgx-h100", nodes=8), Cluster.preset("dgx-h100", nodes=8, nodes_per_leaf=2, spine=spine),

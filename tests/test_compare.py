@@ -1,8 +1,8 @@
-"""Predicted vs measured (workbench.compare) on real runs: torchrun, gloo, CPU, tiny models.
+"""Predicted vs measured (workbench.rundir.compare) on real runs: torchrun, gloo, CPU, tiny models.
 
 Two torchrun jobs (world 2 and world 4) each run several layouts in sequence, every layout into
 its own run directory with the instrumented trainer; the assertions then read the run
-directories through :func:`workbench.compare.compare_run`:
+directories through :func:`workbench.rundir.compare.compare_run`:
 
 * parameter, gradient and optimizer bytes equal the memory bill exactly, activations within 10%;
 * bytes and calls of every collective per (group, op) per step equal ``comms.step_collectives``
@@ -65,7 +65,7 @@ def run_id(text: str) -> str:
 def worker(root: str, layouts: list[str]) -> None:
     import torch.distributed as dist
 
-    from workbench.telemetry import EventWriter, create_run_dir
+    from workbench.rundir import EventWriter, create_run_dir
     from workbench.trainer.train import init_distributed, run_training
 
     rank, world, _, _ = init_distributed()
@@ -103,8 +103,8 @@ def runs(tmp_path_factory) -> Path:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("text", COMPARE_4)
 def test_memory_and_collectives_match_the_planner(runs, text):
-    from workbench.compare import compare_run, predicted_collectives
-    from workbench.telemetry import analysis, load_run
+    from workbench.rundir.compare import compare_run, predicted_collectives
+    from workbench.rundir import analysis, load_run
 
     cmp = compare_run(runs / run_id(text))
     print("\n" + cmp.format())
@@ -140,7 +140,7 @@ _OVERSUBSCRIBED = pytest.mark.xfail(reason="4 ranks on 2 shared CPU cores: measu
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("text", BUBBLES[2] + [pytest.param(t, marks=_OVERSUBSCRIBED) for t in BUBBLES[4]])
 def test_bubble_fraction_matches_the_schedule(runs, text):
-    from workbench.compare import compare_run
+    from workbench.rundir.compare import compare_run
 
     cmp = compare_run(runs / run_id(text))
     replay = cmp.row("pipeline", "bubble fraction (measured stage times)")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from workbench.errors import ConfigError
+from workbench.spec.errors import ConfigError
 from workbench.trainer.context_parallel import (
     apply_cp,
     chunk_ids,
@@ -114,14 +114,14 @@ def _ring_case(cp_rank: int, cp: int, group, dtype: torch.dtype, n_heads: int, n
 
 
 def _tiny_spec():
-    from workbench.model import ModelSpec
+    from workbench.spec.model import ModelSpec
 
     return ModelSpec(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=64, name="tiny-cp")
 
 
 def _model_case(cp_rank: int, cp: int, group) -> dict[str, float]:
     """The trainer's Transformer with apply_cp: same logits and (CP-averaged) gradients."""
-    from workbench.trainer.model import build_model, materialize
+    from workbench.trainer.transformer import build_model, materialize
 
     torch.manual_seed(0)
     ref_model = materialize(build_model(_tiny_spec(), device="cpu"), "cpu", seed=7)

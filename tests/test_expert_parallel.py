@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workbench.errors import ConfigError
-from workbench.model import ModelSpec
-from workbench.plan import ParallelPlan
+from workbench.spec.errors import ConfigError
+from workbench.spec.model import ModelSpec
+from workbench.spec.plan import ParallelPlan
 from workbench.trainer.expert_parallel import (
     apply_ep,
     expert_data_parallel_ranks,
@@ -76,7 +76,7 @@ def _skew_router(model: torch.nn.Module, u: torch.Tensor) -> None:
 
 
 def _ep_case(rank: int, ep_group, edp_group, n_ranks: int) -> dict[str, float]:
-    from workbench.trainer.model import build_model, materialize
+    from workbench.trainer.transformer import build_model, materialize
 
     spec = _spec()
     ref = materialize(build_model(spec, device="cpu"), "cpu", seed=SEED)

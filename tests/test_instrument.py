@@ -18,7 +18,7 @@ def config(steps: int = 4, **train) -> RunConfig:
 
 
 def train(cfg: RunConfig, tmp_path, monkeypatch, inject: str | None = None, **env):
-    from workbench.telemetry import EventWriter, create_run_dir, read_events
+    from workbench.rundir import EventWriter, create_run_dir, read_events
     from workbench.trainer.train import run_training
 
     if inject:
@@ -34,7 +34,7 @@ def train(cfg: RunConfig, tmp_path, monkeypatch, inject: str | None = None, **en
 def test_measured_memory_matches_the_bill(tmp_path, monkeypatch):
     """One process, m = 2 micro-batches: model states exact, activations (saved-tensor hooks)
     within 5% of the bill, every instrumented kind written."""
-    from workbench.memory import estimate_memory
+    from workbench.predict.memory import estimate_memory
 
     cfg = config(steps=2)
     losses, events, _ = train(cfg, tmp_path, monkeypatch)

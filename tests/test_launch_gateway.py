@@ -15,12 +15,12 @@ import urllib.request
 
 import pytest
 
-from workbench.errors import ConfigError
+from workbench.spec.errors import ConfigError
 from workbench.launch import launch, open_run
 from workbench.launch.gateway import GatewayBackend
 from workbench.launch.kernels import KernelError
 from workbench.launch.local import config_from_cli
-from workbench.telemetry.events import find_gaps
+from workbench.rundir.events import find_gaps
 
 from test_launch_local import job_processes
 

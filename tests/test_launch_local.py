@@ -16,10 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from workbench.errors import ConfigError
+from workbench.spec.errors import ConfigError
 from workbench.launch import launch, open_run
 from workbench.launch.local import config_from_cli
-from workbench.telemetry.events import find_gaps, read_events
+from workbench.rundir.events import find_gaps, read_events
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 

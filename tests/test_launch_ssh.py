@@ -15,11 +15,11 @@ import time
 
 import pytest
 
-from workbench.errors import ConfigError
+from workbench.spec.errors import ConfigError
 from workbench.launch import launch
 from workbench.launch.local import config_from_cli
 from workbench.launch.ssh import SSHBackend
-from workbench.telemetry.events import find_gaps, read_events
+from workbench.rundir.events import find_gaps, read_events
 
 from test_launch_local import job_processes
 

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from workbench import Cluster, ConfigError, ModelSpec, ParallelPlan, RunConfig, TrainSettings
-from workbench.memory import (
+from workbench.predict.memory import (
     COMPONENTS,
     activation_bytes_per_layer,
     estimate_memory,

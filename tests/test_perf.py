@@ -5,8 +5,8 @@ from dataclasses import replace
 import pytest
 
 from workbench import Calibration, Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
-from workbench.perf import predict_step
-from workbench.references import KORTHIKANTI_A100, MEGATRON_H100
+from workbench.predict.perf import predict_step
+from workbench.predict.references import KORTHIKANTI_A100, MEGATRON_H100
 
 
 @pytest.mark.parametrize("row", MEGATRON_H100 + KORTHIKANTI_A100[:1], ids=lambda r: r.name)

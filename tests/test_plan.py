@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from workbench import Cluster, ConfigError, ModelSpec, ParallelPlan, RunConfig, TrainSettings
-from workbench.plan import MESH_DIMS, split_layers
+from workbench.spec.plan import MESH_DIMS, split_layers
 
 H100 = Cluster.preset("dgx-h100", nodes=4)
 
@@ -132,7 +132,7 @@ def test_run_config_json_round_trip():
 
 
 def test_split_layers_by_cost_balances_the_bottleneck():
-    from workbench.plan import split_layers_by_cost
+    from workbench.spec.plan import split_layers_by_cost
 
     # equal blocks, no extras: even split
     assert split_layers_by_cost([1.0] * 8, 4) == (2, 2, 2, 2)

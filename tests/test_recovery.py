@@ -54,7 +54,7 @@ def attempts(steps: list[dict]) -> list[list[dict]]:
 ])
 def test_sigkill_restart_resume(tmp_path, plan, world, kill_rank, kill_step, every, steps):
     from workbench.launch.local import train_local
-    from workbench.telemetry import read_events
+    from workbench.rundir import read_events
 
     config = drill_config(plan, steps, every)
     assert config.world_size == world

@@ -15,10 +15,10 @@ import time
 import pytest
 
 from workbench import ConfigError
-from workbench.bench.results import CommsResults, CommsRow
-from workbench.comms import BUS_FACTOR, collective_time
+from workbench.rundir.benchmarks import CommsResults, CommsRow
+from workbench.predict.comms import BUS_FACTOR, collective_time
 from workbench.launch.local import config_from_cli
-from workbench.telemetry import EventWriter, create_run_dir
+from workbench.rundir import EventWriter, create_run_dir
 
 from widgets import run_transforms as rt
 from widgets.launch_view import backend_options, build_launch_config
@@ -185,7 +185,7 @@ def test_bandwidth_series_sets_the_planner_beside_the_measurement():
 
 def test_bench_view_reads_comms_json_under_the_runs_root(tmp_path):
     import widgets
-    from workbench.bench.results import save_results
+    from workbench.rundir.benchmarks import save_results
 
     rows = tuple(CommsRow(dim, "all_gather", 2, "intra_node", s, s, 5, 1, 1e-3, 1e-3, 1e-3)
                  for dim in ("dp_shard", "pp") for s in (64, 4096))

@@ -21,8 +21,9 @@ torch = pytest.importorskip("torch")
 from torch.distributed.pipelining import schedules as tsched  # noqa: E402
 
 from workbench import Cluster, ConfigError, ModelSpec, ParallelPlan, RunConfig, TrainSettings  # noqa: E402
-from workbench import schedule as S  # noqa: E402
-from workbench.plan import SCHEDULES  # noqa: E402
+from workbench.predict import pipeline as S  # noqa: E402
+from workbench.spec import schedules  # noqa: E402
+from workbench.spec.plan import SCHEDULES  # noqa: E402
 
 logging.getLogger("torch.distributed.pipelining").setLevel(logging.ERROR)
 
@@ -107,7 +108,7 @@ def grid(name: str):
         for v in vs:
             for m in sorted({1, p - 1, p, p + 1, 2 * p, 2 * p + 1, 3 * p, 4 * p - 1} - {0}):
                 try:
-                    S.check_schedule(name, p, m, v)
+                    schedules.check_schedule(name, p, m, v)
                 except ConfigError:
                     continue
                 yield p, m, v
@@ -155,7 +156,7 @@ def test_validation_accepts_exactly_what_torch_accepts():
                     except ValueError:
                         torch_ok = False
                     try:
-                        S.check_schedule(name, p, m, v)
+                        schedules.check_schedule(name, p, m, v)
                         ours = True
                     except ConfigError:
                         ours = False
@@ -167,7 +168,7 @@ def test_stage_placement_matches_plan_and_torch():
 
     for name, v in (("interleaved-1f1b", 3), ("zbv", 2), ("dualpipev", 2), ("1f1b", 1)):
         p = 4
-        ranks = S.stage_ranks(name, p, v)
+        ranks = schedules.stage_ranks(name, p, v)
         plan = ParallelPlan(pp=p, dp_shard=1, pp_schedule=name, virtual_stages=v)
         for r in range(p):
             assert tuple(s for s in range(p * v) if ranks[s] == r) == tuple(sorted(plan.stages_of_rank(r)))
@@ -245,7 +246,7 @@ def test_slowest_stage_sets_the_pace(name, v):
     slow = 2
     times = equal_times(n, slow=slow)
     # the bottleneck is the rank with the most work per micro-batch (one stage when v = 1)
-    ranks = S.stage_ranks(name, p, v)
+    ranks = schedules.stage_ranks(name, p, v)
     per_mb = max(sum(sum(times[s]) for s in range(n) if ranks[s] == r) for r in range(p))
     steps = {m: S.simulate_schedule(name, p, m, v, times).step_time for m in (64, 128)}
     # steady state: each extra micro-batch costs exactly the bottleneck's f + b
@@ -279,7 +280,7 @@ def test_timeline_respects_dependencies():
                           ("zbv", 4, 8, 2), ("dualpipev", 3, 7, 2), ("looped-bfs", 2, 5, 3)):
         times = [(1.0 + 0.1 * s, 2.0 + 0.3 * (s % 3), 1.0) for s in range(p * v)]  # (f, i, w)
         res = S.simulate_schedule(name, p, m, v, times, p2p_time=d)
-        ranks = S.stage_ranks(name, p, v)
+        ranks = schedules.stage_ranks(name, p, v)
         end = {(a.kind, a.stage, a.microbatch): a.end for a in res.actions}
         grad = {(s, mb): end.get(("B", s, mb), end.get(("I", s, mb))) for (_, s, mb) in end}
         n = p * v

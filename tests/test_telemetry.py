@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from workbench.telemetry import EventWriter, create_run_dir, load_run, read_events, read_rank_events
-from workbench.telemetry.events import KINDS, Error, RunEnd, RunStart, Step, find_gaps, next_seq, rank_file
+from workbench.rundir import EventWriter, create_run_dir, load_run, read_events, read_rank_events
+from workbench.rundir.events import KINDS, Error, RunEnd, RunStart, Step, find_gaps, next_seq, rank_file
 
 
 def test_writer_adds_common_fields_and_counts_seq(tmp_path):

@@ -163,7 +163,7 @@ def test_failing_rank_ends_the_job_quickly(tmp_path):
     """Rank 1 raises at step 2 while rank 0 waits in a collective: the job must end within
     seconds (not the process-group timeout), naming the rank and its error, in the events too."""
     from workbench.launch.local import config_from_cli, train_local
-    from workbench.telemetry import read_events
+    from workbench.rundir import read_events
 
     config = config_from_cli("tiny", "dp_shard=2", steps=20, seq_len=32)
     lines: list[str] = []
@@ -182,8 +182,8 @@ def test_failing_rank_ends_the_job_quickly(tmp_path):
 @pytest.mark.timeout(120)
 def test_train_local_writes_the_run_directory(tmp_path):
     from workbench.launch.local import config_from_cli, train_local
-    from workbench.telemetry import load_run
-    from workbench.telemetry.events import find_gaps
+    from workbench.rundir import load_run
+    from workbench.rundir.events import find_gaps
 
     config = config_from_cli("tiny", "dp_shard=2", steps=3, seq_len=32)
     lines: list[str] = []

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from workbench import ModelSpec
 from workbench.trainer.data import BatchLoader, decode, encode, load_tokens
-from workbench.trainer.model import MoE, build_model, causal_sdpa, materialize
+from workbench.trainer.transformer import MoE, build_model, causal_sdpa, materialize
 from workbench.trainer.pipeline import split_stage, stage_layers
 from workbench.trainer.train import lr_at
 

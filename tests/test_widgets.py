@@ -20,7 +20,7 @@ from workbench import (
     predict_step,
     simulate_schedule,
 )
-from workbench.memory import COMPONENTS
+from workbench.predict.memory import COMPONENTS
 from widgets import transforms as T
 
 
@@ -209,7 +209,7 @@ def test_mesh_rows_and_warnings():
 
 
 def test_traffic_tables_equal_comms():
-    from workbench.comms import link_traffic, traffic_by_dim
+    from workbench.predict.comms import link_traffic, traffic_by_dim
 
     cfg = config(nodes=2, tp=2, pp=2)
     rows = T.dim_traffic_rows(cfg)

@@ -19,18 +19,18 @@ In a notebook::
 state per browser session). Data transforms live in :mod:`widgets.transforms` (no UI imports).
 """
 
-from .advisor_view import AdvisorView
-from .bench_view import BenchView
-from .compare_view import CompareView
-from .launch_view import LaunchView
-from .live_view import LiveView
-from .run_session import RunSession, session_of
-from .app import SECTIONS, create_app, extension, serve
-from .memory_view import MemoryView
-from .mesh_view import MeshView
-from .model_view import ModelSketch
-from .pipeline_view import PipelineView
-from .state import PlanState
+from widgets.advisor_view import AdvisorView
+from widgets.bench_view import BenchView
+from widgets.compare_view import CompareView
+from widgets.launch_view import LaunchView
+from widgets.live_view import LiveView
+from widgets.run_session import RunSession, session_of
+from widgets.app import SECTIONS, create_app, extension, serve
+from widgets.memory_view import MemoryView
+from widgets.mesh_view import MeshView
+from widgets.model_view import ModelSketch
+from widgets.pipeline_view import PipelineView
+from widgets.state import PlanState
 
 __all__ = [
     "AdvisorView",

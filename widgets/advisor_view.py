@@ -18,9 +18,9 @@ import param
 
 from workbench import Cluster, ConfigError, TrainSettings, advise
 
-from .state import PlanState
-from .transforms import advice_rows, format_bytes, format_seconds, plan_settings
-from .ui import card, cards, html_pane, labelled
+from widgets.state import PlanState
+from widgets.transforms import advice_rows, format_bytes, format_seconds, plan_settings
+from widgets.ui import card, cards, html_pane, labelled
 
 
 def run_advisor(state: PlanState, top: int = 10):
@@ -38,7 +38,7 @@ class AdvisorView(pn.viewable.Viewer):
 
     state = param.ClassSelector(class_=PlanState)
     top = param.Selector(default=10, objects=[5, 10, 20])
-    advice = param.Parameter(default=None, doc="The last workbench.advisor.Advice")
+    advice = param.Parameter(default=None, doc="The last workbench.predict.advisor.Advice")
 
     def __init__(self, state: PlanState | None = None, **params: Any):
         super().__init__(state=state or PlanState(), **params)

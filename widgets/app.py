@@ -13,6 +13,7 @@ Launched runs go under ``--runs`` (default ``$WORKBENCH_RUNS`` or ``./runs``).
 from __future__ import annotations
 
 import secrets
+import sys
 import socket
 from typing import Any, Callable
 
@@ -21,18 +22,18 @@ import panel as pn
 
 from workbench import ConfigError, RunConfig, estimate_memory, predict_step
 
-from .advisor_view import AdvisorView
-from .bench_view import BenchView
-from .compare_view import CompareView
-from .launch_view import LaunchView
-from .live_view import LiveView
-from .memory_view import MemoryView
-from .mesh_view import MeshView
-from .model_view import ModelSketch
-from .pipeline_view import PipelineView
-from .state import PlanState
-from .transforms import format_bytes, format_count, format_rate, format_seconds
-from .ui import card, cards, html_pane
+from widgets.advisor_view import AdvisorView
+from widgets.bench_view import BenchView
+from widgets.compare_view import CompareView
+from widgets.launch_view import LaunchView
+from widgets.live_view import LiveView
+from widgets.memory_view import MemoryView
+from widgets.mesh_view import MeshView
+from widgets.model_view import ModelSketch
+from widgets.pipeline_view import PipelineView
+from widgets.state import PlanState
+from widgets.transforms import format_bytes, format_count, format_rate, format_seconds
+from widgets.ui import card, cards, html_pane
 
 LOCAL_ADDRESSES = ("127.0.0.1", "localhost", "::1")
 ACCENT = "#0b5394"
@@ -100,7 +101,7 @@ def create_app(state: PlanState | None = None) -> pn.template.FastListTemplate:
         theme_toggle=False,
     )
     if pn.state.curdoc is not None and pn.state.curdoc.session_context is not None:
-        from .run_session import session_of
+        from widgets.run_session import session_of
 
         runs = session_of(state)  # the session's own runs end with it
         pn.state.curdoc.on_session_destroyed(lambda _ctx: runs.shutdown())
@@ -158,8 +159,9 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["WORKBENCH_RUNS"] = a.runs  # read by every session's RunSession
     try:
         serve(port=a.port, address=a.address, show=a.show, basic_auth=a.basic_auth)
-    except ConfigError as err:
-        raise SystemExit(f"error: {err}") from None
+    except ConfigError as err:  # one line and exit status 2, as every workbench command
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

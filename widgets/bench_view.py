@@ -3,7 +3,7 @@ beside the planner's prediction for the same groups.
 
 Reads ``comms.json`` files (``workbench bench comms``) under the app's runs root; for the
 chosen collective, one solid line per group dimension (measured busbw, from the median time)
-and a dashed one of the same colour (``workbench.comms.collective_time`` on the benchmark's
+and a dashed one of the same colour (``workbench.predict.comms.collective_time`` on the benchmark's
 cluster, tier and group size, turned into busbw the nccl-tests way). Log x: sizes double.
 """
 
@@ -18,13 +18,13 @@ import param
 from bokeh.models import ColumnDataSource, HoverTool
 from bokeh.plotting import figure
 
-from workbench.bench import load_results
+from workbench.rundir.benchmarks import load_results
 
-from .run_session import RunSession, session_of
-from .run_transforms import bandwidth_series
-from .state import PlanState
-from .transforms import PALETTE, format_bytes
-from .ui import html_pane, table
+from widgets.run_session import RunSession, session_of
+from widgets.run_transforms import bandwidth_series
+from widgets.state import PlanState
+from widgets.transforms import PALETTE, format_bytes
+from widgets.ui import html_pane, table
 
 
 def list_bench_results(runs_root: str) -> list[str]:

@@ -1,5 +1,5 @@
 """View 8, compare runs: two run directories' curves overlaid and their predicted-vs-measured
-tables (:func:`workbench.compare.compare_run`) side by side; either one can be opened and
+tables (:func:`workbench.rundir.compare.compare_run`) side by side; either one can be opened and
 replayed in the live view.
 
 Only directories under the app's runs root are offered (picked by name, never a typed path).
@@ -16,13 +16,13 @@ import param
 from bokeh.models import ColumnDataSource, HoverTool
 from bokeh.plotting import figure
 
-from workbench.compare import compare_run
-from workbench.telemetry import read_events
+from workbench.rundir.compare import compare_run
+from workbench.rundir import read_events
 
-from .run_session import RunSession, session_of
-from .run_transforms import comparison_rows, list_runs, step_rows
-from .state import PlanState
-from .ui import html_pane, table
+from widgets.run_session import RunSession, session_of
+from widgets.run_transforms import comparison_rows, list_runs, step_rows
+from widgets.state import PlanState
+from widgets.ui import html_pane, table
 
 COLORS = ("#0072B2", "#D55E00")
 

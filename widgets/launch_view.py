@@ -21,12 +21,12 @@ import param
 
 from workbench import ConfigError, ModelSpec, RunConfig
 from workbench.launch.local import config_from_cli
-from workbench.trainer.support import check_trainable
+from workbench.spec.trainable import check_trainable
 
-from .run_session import RunSession, session_of
-from .run_transforms import status_rows
-from .state import PlanState
-from .ui import FieldErrors, card, cards, html_pane, table
+from widgets.run_session import RunSession, session_of
+from widgets.run_transforms import status_rows
+from widgets.state import PlanState
+from widgets.ui import FieldErrors, card, cards, html_pane, table
 
 BACKENDS = ("local", "ssh", "gateway")
 STATE_TONES = {"running": "good", "finished": "good", "failed": "bad", "stopped": "warn", "starting": ""}

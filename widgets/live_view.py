@@ -23,12 +23,12 @@ import param
 from bokeh.models import ColumnDataSource, HoverTool, LinearColorMapper, Span
 from bokeh.plotting import figure
 
-from .pipeline_view import PipelineView
-from .run_session import RunSession, session_of
-from .run_transforms import CURVES, RunDigest, heatmap_rects
-from .state import PlanState
-from .transforms import format_bytes, format_seconds
-from .ui import card, cards, html_pane, table
+from widgets.pipeline_view import PipelineView
+from widgets.run_session import RunSession, session_of
+from widgets.run_transforms import CURVES, RunDigest, heatmap_rects
+from widgets.state import PlanState
+from widgets.transforms import format_bytes, format_seconds
+from widgets.ui import card, cards, html_pane, table
 
 PIPELINE_REFRESH_S = 2.0
 CURVE_TITLES = {"loss": "loss", "tokens_per_s": "tokens/s", "mfu": "MFU", "grad_norm": "gradient norm"}

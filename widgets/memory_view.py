@@ -17,11 +17,11 @@ from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d, Span
 from bokeh.plotting import figure
 
 from workbench import RunConfig, estimate_memory
-from workbench.memory import COMPONENTS
+from workbench.predict.memory import COMPONENTS
 
-from .state import PlanState
-from .transforms import COMPONENT_COLORS, format_bytes, memory_axis, memory_bars, memory_summary, stack_columns
-from .ui import FieldErrors, card, cards, html_pane, labelled, swatch, table
+from widgets.state import PlanState
+from widgets.transforms import COMPONENT_COLORS, format_bytes, memory_axis, memory_bars, memory_summary, stack_columns
+from widgets.ui import FieldErrors, card, cards, html_pane, labelled, swatch, table
 
 
 class BillChart:

@@ -18,8 +18,8 @@ import param
 
 from workbench import RunConfig
 
-from .state import PlanState
-from .transforms import (
+from widgets.state import PlanState
+from widgets.transforms import (
     COLOR_DIMS,
     TIER_LABELS,
     MeshLayout,
@@ -30,7 +30,7 @@ from .transforms import (
     mesh_layout,
     tier_rows,
 )
-from .ui import FieldErrors, labelled, card, cards, html_pane, swatch, table
+from widgets.ui import FieldErrors, labelled, card, cards, html_pane, swatch, table
 
 _LINK_STYLE = {
     "intra_node": dict(color="#2e7d32", line_width=5),

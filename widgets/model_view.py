@@ -14,9 +14,9 @@ import param
 
 from workbench import ModelSpec
 
-from .state import PlanState
-from .transforms import MODEL_FIELDS, build_model, format_count, format_flops, model_form_values, model_summary, parse_hf_config
-from .ui import FieldErrors, card, cards, html_pane
+from widgets.state import PlanState
+from widgets.transforms import MODEL_FIELDS, build_model, format_count, format_flops, model_form_values, model_summary, parse_hf_config
+from widgets.ui import FieldErrors, card, cards, html_pane
 
 CUSTOM = "custom"
 GROUP_ORDER = ("Shape", "Attention", "MLP", "Mixture of experts")

@@ -18,12 +18,12 @@ import panel as pn
 import param
 
 from workbench import ConfigError, RunConfig, predict_step, simulate_schedule
-from workbench.comms import p2p_time
-from workbench.plan import SCHEDULES
+from workbench.predict.comms import p2p_time
+from workbench.spec.plan import SCHEDULES
 
-from .state import PlanState
-from .transforms import KIND_COLORS, KIND_NAMES, bubble_fraction_of, gantt_rects
-from .ui import FieldErrors, card, cards, html_pane
+from widgets.state import PlanState
+from widgets.transforms import KIND_COLORS, KIND_NAMES, bubble_fraction_of, gantt_rects
+from widgets.ui import FieldErrors, card, cards, html_pane
 
 
 def gantt_figure(actions: Iterable[Any], title: str, time_unit: str = "", scale: float = 1.0,

@@ -2,7 +2,7 @@
 
 The launch, live-run and compare views of one session share a :class:`RunSession` (found from
 the session's PlanState by :func:`session_of`). Each session launches and stops only its own
-runs: a Run handle lives here and nowhere global, so two sessions never see each other's runs
+runs: a RunHandle lives here and nowhere global, so two sessions never see each other's runs
 unless one deliberately opens the other's run directory.
 
 ``poll()`` is the one refresh: it reads the events appended since the last poll (an
@@ -22,10 +22,10 @@ import panel as pn
 import param
 
 from workbench import RunConfig
-from workbench.telemetry import load_run
+from workbench.rundir import load_run
 
-from .run_transforms import EventTail
-from .state import PlanState
+from widgets.run_transforms import EventTail
+from widgets.state import PlanState
 
 POLL_MS = 500
 DEFAULT_RUNS_ROOT = "runs"
@@ -49,7 +49,7 @@ class RunSession(param.Parameterized):
     def __init__(self, **params: Any):
         params.setdefault("runs_root", default_runs_root())
         super().__init__(**params)
-        self.run: Any = None  # workbench.launch.run.Run of the launched run
+        self.run: Any = None  # workbench.launch.handle.RunHandle of the launched run
         self.runs: list[Any] = []  # every run this session launched (shut down with the session)
         self._tail: EventTail | None = None
         self._listeners: list[Listener] = []
@@ -67,7 +67,7 @@ class RunSession(param.Parameterized):
 
     # ---- which run
     def attach(self, run: Any) -> None:
-        """Show a run launched from this session (a Run handle)."""
+        """Show a run launched from this session (a RunHandle)."""
         self.run = run
         if run not in self.runs:
             self.runs.append(run)

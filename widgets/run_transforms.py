@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from workbench import RunConfig, estimate_memory
-from workbench.comms import BUS_FACTOR, collective_time, group_shape
+from workbench.predict.comms import BUS_FACTOR, collective_time, group_shape
 
 Event = Mapping[str, Any]
 CURVES = ("loss", "tokens_per_s", "mfu", "grad_norm")
@@ -207,7 +207,7 @@ class CommAccumulator:
     """Running totals per (dim, op) over the collectives of one rank (default: every rank,
     averaged per rank): calls, bytes (S), seconds, and bytes-weighted bus bandwidth, per step.
     Single-element bookkeeping calls and receive halves of point-to-point are left out, as in
-    :func:`workbench.telemetry.analysis.collective_bytes`."""
+    :func:`workbench.rundir.analysis.collective_bytes`."""
 
     def __init__(self, rank: int | None = None):
         self.rank = rank
@@ -324,7 +324,7 @@ def step_time_rows(events: Iterable[Event]) -> dict[str, list[Any]]:
 
 
 def _percentile(sorted_xs: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile, as :func:`workbench.telemetry.analysis.stragglers` takes it."""
+    """Nearest-rank percentile, as :func:`workbench.rundir.analysis.stragglers` takes it."""
     return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
 
 
@@ -481,8 +481,8 @@ def list_runs(runs_root: str | os.PathLike) -> list[str]:
 
 
 def comparison_rows(comparison: Any) -> list[dict[str, Any]]:
-    """A :class:`workbench.compare.Comparison` as rows with formatted numbers."""
-    from workbench.compare import _fmt, _fmt_error  # the CLI's formatting, so page and terminal agree
+    """A :class:`workbench.rundir.compare.Comparison` as rows with formatted numbers."""
+    from workbench.rundir.compare import _fmt, _fmt_error  # the CLI's formatting, so page and terminal agree
 
     return [{"section": r.section, "name": r.name, "rank": r.rank, "predicted": _fmt(r.predicted, r.unit),
              "measured": _fmt(r.measured, r.unit), "error": _fmt_error(r)} for r in comparison.rows]

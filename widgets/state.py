@@ -13,10 +13,10 @@ from typing import Any
 import param
 
 from workbench import PRECISIONS, Cluster, ModelSpec, RunConfig
-from workbench.config import RECOMPUTE
-from workbench.plan import SCHEDULES
+from workbench.spec.config import RECOMPUTE
+from workbench.spec.plan import SCHEDULES
 
-from .transforms import build_config
+from widgets.transforms import build_config
 
 PLAN_PARAMS = ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "zero_stage", "pp_schedule", "virtual_stages")
 TRAIN_PARAMS = ("seq_len", "micro_batch_size", "global_batch_size", "recompute")

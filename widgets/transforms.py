@@ -33,8 +33,8 @@ from workbench import (
     RunConfig,
     TrainSettings,
 )
-from workbench.comms import link_traffic, traffic_by_dim
-from workbench.memory import COMPONENTS, MemoryBill
+from workbench.predict.comms import link_traffic, traffic_by_dim
+from workbench.predict.memory import COMPONENTS, MemoryBill
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -496,7 +496,7 @@ def _get(a: Any, name: str) -> Any:
 
 
 def gantt_rects(actions: Iterable[Any], height: float = 0.8) -> list[dict[str, Any]]:
-    """One rectangle per action (simulated :class:`workbench.schedule.Action` or measured
+    """One rectangle per action (simulated :class:`workbench.predict.pipeline.Action` or measured
     records with the same fields): x from start to end, y centred on the rank (rank 0 on top is
     the view's business), coloured by kind, labelled by micro-batch."""
     out = []

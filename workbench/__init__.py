@@ -1,23 +1,27 @@
 """workbench: plan, launch and watch distributed training of large models.
 
-The planning core (model, cluster, plan, memory, comms, schedule, perf, advisor) imports no
-torch and no UI: it is instant and importable anywhere.
+The folders are the layers, each importing only those before it:
+``spec`` (what, where, split how) <- ``predict`` (the planner) <- ``rundir`` (the run directory
+contract) <- ``trainer`` / ``launch`` / ``bench`` <- ``cli``. This module re-exports the public
+entry points of spec, predict and launch; spec and predict import no torch and no UI.
 """
 
-from .cluster import Calibration, Cluster, GPUSpec, LinkSpec
-from .config import PRECISIONS, RunConfig, TrainSettings
-from .errors import ConfigError
-from .model import ModelSpec
-from .plan import ParallelPlan, Placement
-from .memory import MemoryBill, estimate_memory
-from .schedule import simulate_schedule
-from .perf import StepPrediction, predict_step
-from .advisor import PlanCandidate, advise
-from .cost import estimate_cost
-from . import launch  # noqa: E402  (callable: workbench.launch(config, backend="local"))
-from .launch import open_run
+from workbench.spec.cluster import Calibration, Cluster, GPUSpec, LinkSpec
+from workbench.spec.config import PRECISIONS, RunConfig, TrainSettings
+from workbench.spec.errors import ConfigError
+from workbench.spec.model import ModelSpec
+from workbench.spec.plan import ParallelPlan, Placement
+from workbench.predict.memory import MemoryBill, estimate_memory
+from workbench.predict.pipeline import simulate_schedule
+from workbench.predict.perf import StepPrediction, predict_step
+from workbench.predict.advisor import PlanCandidate, advise
+from workbench.predict.cost import estimate_cost
+# ``workbench.launch(config, backend=...)`` is the launcher function; the package workbench/launch/
+# is loaded first by this line, so the name stays bound to the function afterwards.
+from workbench.launch import launch, open_run
+from workbench.rundir.record import workbench_version
 
-__version__ = "0.1.0"
+__version__ = workbench_version()
 
 __all__ = [
     "MemoryBill",

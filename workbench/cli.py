@@ -14,13 +14,23 @@ from typing import Any, Callable
 
 import click
 
-from .cluster import GPUS, Cluster
-from .config import PRECISIONS, RunConfig, TrainSettings
-from .errors import ConfigError
-from .model import ModelSpec
-from .plan import SCHEDULES, ParallelPlan
+from workbench.spec.cluster import GPUS, Cluster
+from workbench.spec.config import PRECISIONS, RunConfig, TrainSettings
+from workbench.spec.errors import ConfigError
+from workbench.spec.model import ModelSpec
+from workbench.spec.plan import ParallelPlan
+from workbench.spec.schedules import SCHEDULES
+from workbench.predict.advisor import advise
+from workbench.predict.comms import traffic_by_dim
+from workbench.predict.memory import estimate_memory
+from workbench.rundir.benchmarks import format_table
+from workbench.rundir.compare import compare_run
+from workbench.launch.benchmark import run_comms_benchmark
+from workbench.launch.local import config_from_cli, resume_local, train_local
+from workbench.bench import calibration_report, format_fit, run_compute_benchmark
 
 GiB = float(1 << 30)
+APP_MODULE = "widgets.app"  # `workbench serve` runs `python -m widgets.app`
 # The cluster preset each GPU name comes in.
 GPU_CLUSTERS = {"h100-80gb": "dgx-h100", "h200-141gb": "dgx-h200", "a100-80gb": "dgx-a100",
                 "l40s-48gb": "pcie-l40s", "cpu": "local-cpu"}
@@ -170,7 +180,6 @@ def build_config(kw: dict[str, Any]) -> RunConfig:
 @click.option("--json", "as_json", is_flag=True, help="Print the bill as JSON.")
 def memory(as_json: bool, **kw: Any) -> None:
     """Print the memory bill of the most loaded GPU."""
-    from .memory import estimate_memory
 
     config = build_config(kw)
     bill = estimate_memory(config)
@@ -224,10 +233,12 @@ def format_bill(config: RunConfig, bill: Any) -> str:
 @click.option("--show", is_flag=True, default=False, help="Open a browser tab.")
 def serve(port: int, address: str, basic_auth: str | None, show: bool) -> None:
     """Serve the workbench app (local-cpu cluster, tiny model, local kernels by default)."""
-    from widgets.app import serve as serve_app
-
-    click.echo(f"workbench app on http://{address}:{port}/ (Ctrl-C stops it)")
-    serve_app(port=port, address=address, show=show, basic_auth=basic_auth)
+    click.echo(f"workbench app on http://{address}:{port}/ (Ctrl-C stops it)", err=True)
+    # The UI is the top layer: the command starts it by module name and imports none of it.
+    argv = [sys.executable, "-m", APP_MODULE, "--port", str(port), "--address", address]
+    argv += (["--basic-auth", basic_auth] if basic_auth else []) + (["--show"] if show else [])
+    sys.stdout.flush()
+    os.execv(sys.executable, argv)
 
 
 # ---------------------------------------------------------------------------- train
@@ -257,8 +268,6 @@ def serve(port: int, address: str, basic_auth: str | None, show: bool) -> None:
 def train(model: str, plan_text: str, steps: int, config_path: str | None, run_root: str, run_id: str | None,
           balance_stages: bool, max_restarts: int, resume_dir: str | None, **overrides: Any) -> None:
     """Train the bundled model locally with torchrun; exits with the job's status."""
-    from .launch.local import config_from_cli, resume_local, train_local
-
     if resume_dir:
         if not os.path.exists(os.path.join(resume_dir, "config.json")):
             raise ConfigError(f"resume={resume_dir!r} is not a run directory (no config.json)", field="resume")
@@ -269,7 +278,7 @@ def train(model: str, plan_text: str, steps: int, config_path: str | None, run_r
         given = {k: v for k, v in overrides.items() if v not in (None, False)}
         config = config_from_cli(model, plan_text, steps, **given)
     if balance_stages:
-        from .trainer.profile import balance_stages as balance
+        from workbench.trainer.profile import balance_stages as balance  # imports torch: only when asked
 
         config = balance(config)
         click.echo(f"balanced stages (layers per stage): {list(config.plan.stage_layers or ())}")
@@ -282,8 +291,6 @@ def train(model: str, plan_text: str, steps: int, config_path: str | None, run_r
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 def compare(run_dir: str, as_json: bool) -> None:
     """Predicted next to measured for a run: memory, bubble, collective bytes, step time."""
-    from .compare import compare_run
-
     if not os.path.exists(os.path.join(run_dir, "config.json")):
         raise ConfigError(f"run_dir={run_dir!r} is not a run directory (no config.json)", field="run_dir")
     comparison = compare_run(run_dir)
@@ -310,8 +317,6 @@ def bench() -> None:
 def bench_comms(cluster_name: str, nodes: int, plan_text: str, backend: str, hosts: str | None, url: str | None,
                 max_bytes: int | None, run_root: str) -> None:
     """All-reduce, all-gather, reduce-scatter, all-to-all and send/recv from 8 B up, per group dimension."""
-    from .bench import format_table, run_comms_benchmark
-
     cluster = load_cluster(cluster_name, nodes)
     options: dict[str, Any] = {}
     if hosts:
@@ -331,8 +336,6 @@ def bench_comms(cluster_name: str, nodes: int, plan_text: str, backend: str, hos
 @click.option("-o", "--output", type=click.Path(), default=None, help="Write the results JSON here.")
 def bench_compute(model: str, hf_config: str | None, tp: int, tokens: int | None, output: str | None) -> None:
     """Achieved matmul FLOP/s per dtype at the GEMM shapes of the model on one TP rank."""
-    from .bench import format_table, run_compute_benchmark
-
     results = run_compute_benchmark(build_model(model, hf_config), tp=tp, tokens=tokens, out_path=output)
     click.echo(format_table(results))
 
@@ -342,8 +345,6 @@ def bench_compute(model: str, hf_config: str | None, tp: int, tokens: int | None
 @click.option("-o", "--output", type=click.Path(), required=True, help="The calibrated cluster JSON to write.")
 def calibrate(results: tuple[str, ...], output: str) -> None:
     """Fit latency and bandwidth per link tier and collective (and FLOP/s) to benchmark results."""
-    from .bench import calibration_report, format_fit
-
     report = calibration_report(list(results))
     with open(output, "w") as f:
         f.write(report.cluster.to_json())
@@ -371,8 +372,6 @@ def load_cluster(cluster_name: str, nodes: int) -> Cluster:
 @click.option("--json", "as_json", is_flag=True, help="Print the plans as JSON.")
 def plan(model: str, hf_config: str | None, cluster_name: str, nodes: int, top: int, as_json: bool, **kw: Any) -> None:
     """Search every valid plan and print the fastest that fit, explained."""
-    from .advisor import advise
-
     spec = build_model(model, hf_config)
     cluster = load_cluster(cluster_name, nodes)
     train = build_train(**kw)
@@ -424,8 +423,6 @@ def advice_to_dict(advice: Any) -> dict:
 def mesh(model: str, hf_config: str | None, cluster_name: str, nodes: int, plan_text: str, max_nodes: int,
          as_json: bool, **kw: Any) -> None:
     """Lay the plan's ranks out on the nodes; per group dimension its link tier and traffic."""
-    from .comms import traffic_by_dim
-
     config = RunConfig(build_model(model, hf_config), load_cluster(cluster_name, nodes),
                        ParallelPlan.parse(plan_text), build_train(**kw))
     plan_, cluster = config.plan, config.cluster

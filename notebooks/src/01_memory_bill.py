@@ -23,7 +23,7 @@ import holoviews as hv
 import pandas as pd
 
 from workbench import PRECISIONS, Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings, estimate_memory
-from workbench.memory import COMPONENTS, activation_bytes_per_layer, model_state_bytes
+from workbench.predict.memory import COMPONENTS, activation_bytes_per_layer, model_state_bytes
 from widgets.transforms import COMPONENT_COLORS
 
 hv.extension("bokeh", logo=False)

@@ -17,8 +17,8 @@ import holoviews as hv
 import pandas as pd
 
 from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings, predict_step
-from workbench.comms import BUS_FACTOR, collective_time, link_traffic, traffic_by_dim
-from workbench.plan import MESH_DIMS
+from workbench.predict.comms import BUS_FACTOR, collective_time, link_traffic, traffic_by_dim
+from workbench.spec.plan import MESH_DIMS
 from widgets.mesh_view import mesh_figure
 
 hv.extension("bokeh", logo=False)

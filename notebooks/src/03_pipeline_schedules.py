@@ -28,8 +28,8 @@ import pandas as pd
 from workbench import (
     Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings, estimate_memory, predict_step, simulate_schedule,
 )
-from workbench.plan import split_layers, split_layers_by_cost
-from workbench.schedule import bubble_closed_form
+from workbench.spec.plan import split_layers, split_layers_by_cost
+from workbench.predict.pipeline import bubble_closed_form
 from widgets.pipeline_view import gantt_figure
 
 hv.extension("bokeh", logo=False)
@@ -170,7 +170,7 @@ gantt_figure(one_slow.actions, "1F1B with stage 2 at 1.5x: ranks 0, 1 and 3 wait
 # %% [markdown]
 # ## 5. Balancing the stages by cost
 #
-# `workbench.plan.split_layers_by_cost` cuts the layers into contiguous stages that minimise the
+# `workbench.spec.plan.split_layers_by_cost` cuts the layers into contiguous stages that minimise the
 # slowest stage's cost (the linear-partition problem, solved exactly by bisection on the
 # bottleneck), charging the embedding to the first stage and the output layer to the last. Costs can
 # be anything proportional to time; here, training FLOPs per token: 6 × parameters for each matmul

@@ -11,11 +11,11 @@
 # | step | API | where |
 # |---|---|---|
 # | describe the job | `RunConfig` (model, cluster, plan, settings) | `workbench/config.py` |
-# | start it | `workbench.launch(config, backend="local")` → a `Run` | `workbench/launch/run.py` |
+# | start it | `workbench.launch(config, backend="local")` → a `RunHandle` | `workbench/launch/handle.py` |
 # | each node | a Jupyter kernel running an agent that starts `torchrun` | `workbench/launch/agent.py` |
 # | each rank | `python -m workbench.launch.worker` → the trainer | `workbench/trainer/train.py` |
 # | what it says | one JSON line per event in `events/rank-<r>.jsonl` | `workbench/telemetry/events.py` |
-# | predicted vs measured | `workbench.compare.compare_run(run_dir)` | `workbench/compare.py` |
+# | predicted vs measured | `workbench.rundir.compare.compare_run(run_dir)` | `workbench/compare.py` |
 #
 # Everything runs on two CPU processes with a tiny model, so the run takes seconds.
 
@@ -33,12 +33,12 @@ import pandas as pd
 
 import workbench
 from workbench import Cluster, RunConfig, predict_step, simulate_schedule
-from workbench.compare import compare_run
-from workbench.comms import p2p_time
+from workbench.rundir.compare import compare_run
+from workbench.predict.comms import p2p_time
 from workbench.launch.local import config_from_cli
-from workbench.schedule import schedule_order
-from workbench.telemetry import analysis
-from workbench.telemetry.events import COMMON_FIELDS, KINDS, find_gaps, read_events
+from workbench.predict.pipeline import schedule_order
+from workbench.rundir import analysis
+from workbench.rundir.events import COMMON_FIELDS, KINDS, find_gaps, read_events
 from widgets.pipeline_view import gantt_figure
 
 hv.extension("bokeh", logo=False)
@@ -71,7 +71,7 @@ assert m == config.train.global_batch_size // config.train.micro_batch_size == 4
 # ## 2. Launch, and stream the events
 #
 # `workbench.launch` validates the config (a bad one raises `ConfigError` before anything starts),
-# creates the **run directory**, starts the kernels and returns a `Run` handle at once: the job runs
+# creates the **run directory**, starts the kernels and returns a `RunHandle` at once: the job runs
 # in the background. `run.status()` says, per node and per rank, whether it is starting, running,
 # finished, failed or stopped, and why. `run.events(timeout_s=...)` yields batches of events as they
 # arrive, every rank's in `seq` order, and ends when the run has ended and every event is in.

@@ -32,12 +32,12 @@ from pathlib import Path
 import holoviews as hv
 import pandas as pd
 
-from workbench.cost import checkpoint_bytes, optimal_checkpoint_interval
+from workbench.predict.cost import checkpoint_bytes, optimal_checkpoint_interval
 from workbench.launch.local import config_from_cli, resume_local, train_local
-from workbench.telemetry import create_run_dir
-from workbench.telemetry.events import read_events
+from workbench.rundir import create_run_dir
+from workbench.rundir.events import read_events
 from workbench.trainer.checkpoint import list_checkpoints, verify_checkpoint
-from workbench.trainer.model import build_model
+from workbench.trainer.transformer import build_model
 
 hv.extension("bokeh", logo=False)
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # two ranks share two cores: no intra-op threads
@@ -288,7 +288,7 @@ assert len(final) == STEPS and max(abs(a - b) / b for a, b in zip(final, referen
 #
 # τ = √(2δM) · (1 + ⅓√(δ/2M) + (δ/2M)/9) − δ  (for δ < 2M),
 #
-# which is `workbench.cost.optimal_checkpoint_interval(delta_s, mtbf_s)`. We check it against a
+# which is `workbench.predict.cost.optimal_checkpoint_interval(delta_s, mtbf_s)`. We check it against a
 # numerical minimisation of Daly's model, and use our drill's own measured δ.
 
 # %%

@@ -32,9 +32,9 @@ import pandas as pd
 from workbench import (
     Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings, advise, estimate_cost, estimate_memory, predict_step,
 )
-from workbench.comms import traffic_by_dim
-from workbench.cost import optimal_checkpoint_interval
-from workbench.references import KORTHIKANTI_A100, MEGATRON_H100
+from workbench.predict.comms import traffic_by_dim
+from workbench.predict.cost import optimal_checkpoint_interval
+from workbench.predict.references import KORTHIKANTI_A100, MEGATRON_H100
 from widgets.transforms import advice_rows
 
 hv.extension("bokeh", logo=False)
@@ -185,7 +185,7 @@ ep_table.round(3)
 # ## 5. Is the step-time model right? Published MFU
 #
 # Model FLOPs utilisation (PaLM, appendix B) = model FLOPs per token (6 N + 12 L h s) × tokens per
-# second / (GPUs × peak FLOP/s); recomputation does not count. `workbench.references` holds
+# second / (GPUs × peak FLOP/s); recomputation does not count. `workbench.predict.references` holds
 # published runs: Megatron-Core's GPT rows on H100 (NVIDIA's Megatron-Core performance table) and
 # Korthikanti et al.'s 22B GPT on 8 A100s. The model is physical (GEMM and attention efficiencies,
 # HBM traffic, alpha-beta collectives, simulated pipelines; constants documented in

@@ -1,7 +1,7 @@
 """Calibration: fit the planner's alpha-beta model and FLOP/s to benchmark results.
 
 For every (link tier, collective) the measured median times are fitted to the model that
-:func:`workbench.comms.collective_time` evaluates with a calibration::
+:func:`workbench.predict.comms.collective_time` evaluates with a calibration::
 
     t(S, n) = alpha + S x factor(n) / B        factor = BUS_FACTOR[op], B = bus bandwidth
 
@@ -31,10 +31,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from ..cluster import Calibration, Cluster, LinkCalibration
-from ..comms import BUS_FACTOR, collective_time
-from ..errors import require
-from .results import CommsResults, CommsRow, ComputeResults, Results, load_results
+from workbench.spec.cluster import Calibration, Cluster, LinkCalibration
+from workbench.predict.comms import BUS_FACTOR, collective_time
+from workbench.spec.errors import require
+from workbench.rundir.benchmarks import CommsResults, CommsRow, ComputeResults, Results, load_results
 
 HUBER = 0.25  # |log(fit / measured)| beyond which a point's weight falls off (see fit_alpha_beta)
 
@@ -203,7 +203,7 @@ def calibrate(results: Iterable[Results | str | os.PathLike], cluster: Cluster |
 
 
 def predict_row(cluster: Cluster, row: CommsRow) -> float:
-    """The planner's time for a measured row: :func:`workbench.comms.collective_time` over a flat
+    """The planner's time for a measured row: :func:`workbench.predict.comms.collective_time` over a flat
     group of the row's size on the row's tier (what the benchmark ran)."""
     return collective_time(row.op, row.size_bytes, row.group_size, cluster, row.tier)
 

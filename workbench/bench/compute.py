@@ -40,9 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import check_choice, check_int, require
-from ..model import ModelSpec
-from .results import ComputeResults, ComputeRow, save_results
+from workbench.rundir.record import workbench_version
+from workbench.spec.errors import check_choice, check_int, require
+from workbench.spec.model import ModelSpec
+from workbench.rundir.benchmarks import ComputeResults, ComputeRow, save_results
 
 GPU_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 CPU_DTYPES = ("fp32",)
@@ -187,14 +188,13 @@ def run_compute_benchmark(model: ModelSpec | str, tp: int = 1, tokens: int | Non
                                            times[len(times) // 2]))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    from .. import __version__
 
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine()) + \
         f" ({os.cpu_count()} cores)"
     results = ComputeResults(
         model=spec.name or "model", tp=tp, tokens=tokens, device=dev.type, device_name=name,
         threads=torch.get_num_threads(), rows=tuple(rows), skipped=skipped,
-        versions={"torch": torch.__version__, "python": platform.python_version(), "workbench": __version__,
+        versions={"torch": torch.__version__, "python": platform.python_version(), "workbench": workbench_version(),
                   "cuda": torch.version.cuda},
     )
     if out_path is not None:

@@ -326,9 +326,9 @@ class NodeAgent:
                f"--local-addr={spec['local_addr']}", f"--max-restarts={int(spec.get('max_restarts', 0))}",
                "-m", "workbench.launch.worker"]
         program = spec.get("program")
-        if program:  # another program than the trainer: its arguments, {run_dir} filled in
+        if program:  # another program than the trainer: its module and arguments, {run_dir} filled in
             return cmd + [str(a).replace("{run_dir}", self.run_dir) for a in program]
-        return cmd + [config_path] + (["--resume"] if spec.get("resume") else [])
+        return cmd + ["workbench.trainer", config_path] + (["--resume"] if spec.get("resume") else [])
 
     def _refresh_known(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -27,8 +27,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from .kernels import READY_TIMEOUT_S, KernelChannel, KernelError
+from workbench.spec.errors import ConfigError
+from workbench.launch.kernels import READY_TIMEOUT_S, KernelChannel, KernelError
 
 TOKEN_ENV = ("WORKBENCH_GATEWAY_TOKEN", "JUPYTER_GATEWAY_AUTH_TOKEN")
 

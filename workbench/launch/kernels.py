@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from workbench.spec.errors import ConfigError
 
 READY_TIMEOUT_S = 60.0
 HEARTBEAT_GRACE_S = 10.0

@@ -1,7 +1,7 @@
 """Start a run on this machine: a run directory, then ``torchrun`` with one process per rank.
 
 ``workbench train`` calls :func:`config_from_cli` and :func:`train_local`. Validation happens when
-the RunConfig is built, so a bad config raises :class:`~workbench.errors.ConfigError` before any
+the RunConfig is built, so a bad config raises :class:`~workbench.spec.errors.ConfigError` before any
 process starts.
 """
 
@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..cluster import Cluster
-from ..config import RunConfig, TrainSettings
-from ..model import ModelSpec
-from ..plan import ParallelPlan
-from ..telemetry.events import next_seq, read_events
-from ..telemetry.rundir import create_run_dir
-from ..trainer.support import check_trainable
+from workbench.spec.cluster import Cluster
+from workbench.spec.config import RunConfig, TrainSettings
+from workbench.spec.model import ModelSpec
+from workbench.spec.plan import ParallelPlan
+from workbench.rundir.events import next_seq, read_events
+from workbench.rundir.record import create_run_dir
+from workbench.spec.trainable import check_trainable
 
 POLL_S = 0.2
 

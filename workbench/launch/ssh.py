@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from .kernels import KernelError, ZmqChannel
+from workbench.spec.errors import ConfigError
+from workbench.launch.kernels import KernelError, ZmqChannel
 
 PORT_NAMES = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 

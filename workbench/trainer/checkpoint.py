@@ -83,9 +83,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from ..config import RunConfig
-from ..errors import ConfigError
-from ..telemetry.events import (Checkpoint, CheckpointRejected, EventWriter, Fault, Restart, Resume,
+from workbench.spec.config import RunConfig
+from workbench.spec.errors import ConfigError
+from workbench.rundir.events import (Checkpoint, CheckpointRejected, EventWriter, Fault, Restart, Resume,
                                 read_rank_events)
 
 CHECKPOINTS = "checkpoints"

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import require
+from workbench.spec.errors import require
 
 __all__ = [
     "chunk_ids",

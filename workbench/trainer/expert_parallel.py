@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import require
-from ..plan import ParallelPlan
+from workbench.spec.errors import require
+from workbench.spec.plan import ParallelPlan
 
 __all__ = [
     "apply_ep",

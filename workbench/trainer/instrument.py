@@ -17,7 +17,7 @@ calls ``begin_step`` / ``end_step`` around each step. Per step and rank it write
   once per process and call straight through when no instrument is active. A call's process
   group is mapped to the plan's group dimension by comparing its ranks with
   ``ParallelPlan.group_ranks``; its size follows the nccl-tests convention of
-  :mod:`workbench.comms` (all-gather: the output, reduce-scatter: the input, ...).
+  :mod:`workbench.predict.comms` (all-gather: the output, reduce-scatter: the input, ...).
 * ``pipeline``: every F/B/I/W action of every stage this rank holds (wrapping the stage's
   ``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``), its p2p transfers,
   and the measured bubble ``1 - busy / window`` of ``schedule.step()``. On CUDA with CUDA events.
@@ -27,7 +27,7 @@ calls ``begin_step`` / ``end_step`` around each step. Per step and rank it write
   parameters excluded, released when backward unpacks it), the CUDA allocator's peaks.
 * ``step_stats`` (rank 0, when the throughput guard gathers every rank's step time): slowest
   rank, p50/p95/max. Without it, every rank's own "step" event carries its step time and
-  :func:`workbench.telemetry.analysis.stragglers` computes the same from the events.
+  :func:`workbench.rundir.analysis.stragglers` computes the same from the events.
 * ``guard``: a guard of TrainSettings fired (:meth:`Instrument.end_step` returns it).
 
 Cost control: the saved-tensor hooks run a little Python per saved tensor, so activations are
@@ -52,10 +52,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comms import BUS_FACTOR, EXPERT_DIMS, group_members
-from ..config import RunConfig
-from ..plan import GROUP_DIMS
-from ..telemetry.events import Collectives, EventWriter, Guard, Memory, PipelineStep, StepStats
+from workbench.predict.comms import BUS_FACTOR, EXPERT_DIMS, group_members
+from workbench.spec.config import RunConfig
+from workbench.spec.plan import GROUP_DIMS
+from workbench.rundir.events import Collectives, EventWriter, Guard, Memory, PipelineStep, StepStats
 
 ENV_SWITCH = "WORKBENCH_INSTRUMENT"  # "0": off whatever the config says
 ENV_INJECT = "WORKBENCH_INJECT"  # tests: "nan:<step>" or "spike:<step>" (see _inject)
@@ -639,7 +639,7 @@ def _percentile(ordered: list[float], q: float) -> float:
 
 
 def mfu(config: RunConfig, step_time_s: float) -> float:
-    """Model FLOPs utilisation by the planner's convention (workbench.perf): PaLM's model FLOPs
+    """Model FLOPs utilisation by the planner's convention (workbench.predict.perf): PaLM's model FLOPs
     per token ``6 N + 12 L h s`` x tokens per step / (step time x GPUs x dense peak of the compute
     dtype class: fp32 runs against the fp32 peak, the rest against bf16's)."""
     train = config.train

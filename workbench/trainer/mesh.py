@@ -20,14 +20,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..plan import GROUP_DIMS, ParallelPlan
-
-# Composite dimensions and their members, outermost first.
-COMPOSITES = {
-    "dp": ("dp_replicate", "dp_shard"),
-    "dp_shard_cp": ("dp_shard", "cp"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-}
+from workbench.spec.plan import COMPOSITE_DIMS, GROUP_DIMS, ParallelPlan
 
 
 @dataclass
@@ -72,7 +65,7 @@ class Meshes:
 
     def _name(self, composite: str) -> str:
         """The world-mesh name of a composite: itself when flattened, else its only member."""
-        present = [m for m in COMPOSITES[composite] if self.plan.degree(m) > 1]
+        present = [m for m in COMPOSITE_DIMS[composite] if self.plan.degree(m) > 1]
         return present[0] if len(present) == 1 else composite
 
 
@@ -87,7 +80,7 @@ def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> Meshes:
     out.world = world
     for name in names:
         out.dims[name] = world[name]
-    for composite, members in COMPOSITES.items():
+    for composite, members in COMPOSITE_DIMS.items():
         present = tuple(m for m in members if plan.degree(m) > 1)
         if len(present) == 1:
             out.dims[composite] = world[present[0]]  # same ranks: reuse the group
@@ -101,7 +94,7 @@ def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> Meshes:
             # Every rank must take part in creating every subgroup.
             out.ep_group, _ = dist.new_subgroups_by_enumeration(plan.group_ranks("ep"))
             out.ep_mesh = DeviceMesh.from_group(out.ep_group, device_type, mesh_dim_names=("ep",))
-        from .expert_parallel import expert_data_parallel_ranks
+        from workbench.trainer.expert_parallel import expert_data_parallel_ranks
 
         groups = expert_data_parallel_ranks(plan)
         if len(groups[0]) > 1:

@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from .model import Transformer
+from workbench.trainer.transformer import Transformer
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True, loss_parallel: bool = False) -> None:
@@ -155,12 +155,12 @@ def parallelize(model: Transformer, meshes, plan, recompute: str, compute_dtype:
     """Apply CP, EP, TP, AC and data parallelism in that order. Returns True when the data
     parallel wrapper casts to ``compute_dtype`` itself (no autocast needed)."""
     if plan.cp > 1:
-        from .context_parallel import apply_cp  # written alongside; imported only when used
+        from workbench.trainer.context_parallel import apply_cp  # written alongside; imported only when used
 
         apply_cp(model, meshes.get("cp"))
     ignored = None
     if plan.ep > 1:
-        from .expert_parallel import apply_ep, expert_params
+        from workbench.trainer.expert_parallel import apply_ep, expert_params
 
         apply_ep(model, meshes.ep_mesh if meshes.ep_mesh is not None else meshes.ep_group)
         # Experts are already sharded over EP; their gradients are reduced over the ranks that

@@ -25,8 +25,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
 
-from ..plan import ParallelPlan
-from .model import Transformer
+from workbench.spec.plan import ParallelPlan
+from workbench.spec.schedules import SCHEDULES, SINGLE_STAGE_SCHEDULES
+from workbench.trainer.transformer import Transformer
 
 SCHEDULE_CLASSES: dict[str, type] = {
     "gpipe": S.ScheduleGPipe,
@@ -37,7 +38,8 @@ SCHEDULE_CLASSES: dict[str, type] = {
     "zbv": S.ScheduleZBVZeroBubble,
     "dualpipev": S.ScheduleDualPipeV,
 }
-SINGLE_STAGE = ("gpipe", "1f1b")
+# The names are the planner's (workbench.spec.schedules); this table only binds them to torch.
+assert tuple(SCHEDULE_CLASSES) == SCHEDULES, "every planned schedule needs its torch class"
 
 
 def stage_layers(plan: ParallelPlan, n_layers: int) -> list[list[int]]:
@@ -87,7 +89,7 @@ def build_stages(
 def build_schedule(plan: ParallelPlan, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable):
     """The schedule object ``plan.pp_schedule`` names, with our own loss scaling (see module doc)."""
     cls = SCHEDULE_CLASSES[plan.pp_schedule]
-    if plan.pp_schedule in SINGLE_STAGE:
+    if plan.pp_schedule in SINGLE_STAGE_SCHEDULES:
         schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -2,7 +2,7 @@
 
 A short profiling run on one process times forward + backward of every block on one micro-batch
 (and of the embedding and of the output layer with the loss), medians over a few repetitions.
-:func:`balance_stages` feeds the costs to :func:`workbench.plan.split_layers_by_cost` and returns
+:func:`balance_stages` feeds the costs to :func:`workbench.spec.plan.split_layers_by_cost` and returns
 the RunConfig with ``plan.stage_layers`` set: the planner (memory, comms, schedule) and the
 trainer (pipeline.py splits by ``plan.stage_layer_counts``) then read the same split.
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..config import RunConfig
-from ..plan import split_layers_by_cost
-from .model import build_model, materialize
+from workbench.spec.config import RunConfig
+from workbench.spec.plan import split_layers_by_cost
+from workbench.trainer.transformer import build_model, materialize
 
 
 @dataclass(frozen=True)

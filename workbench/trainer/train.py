@@ -41,15 +41,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import Checkpointer, kill_if_asked, note_restart, restart_count
-from .support import check_trainable
-from ..config import RunConfig
-from ..telemetry.events import Error, EventWriter, RunEnd, RunStart, Step
-from .data import BatchLoader, load_tokens
-from .mesh import Meshes, build_meshes, check_mesh
-from .model import Transformer, build_model, materialize
-from .parallelize import parallelize
-from .instrument import make_instrument
+from workbench.trainer.checkpoint import Checkpointer, kill_if_asked, note_restart, restart_count
+from workbench.spec.trainable import check_trainable
+from workbench.spec.config import RunConfig
+from workbench.rundir.events import Error, EventWriter, RunEnd, RunStart, Step
+from workbench.trainer.data import BatchLoader, load_tokens
+from workbench.trainer.mesh import Meshes, build_meshes, check_mesh
+from workbench.trainer.transformer import Transformer, build_model, materialize
+from workbench.trainer.parallelize import parallelize
+from workbench.trainer.instrument import make_instrument
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PG_TIMEOUT_S = float(os.environ.get("WORKBENCH_PG_TIMEOUT_S", "300"))
@@ -124,7 +124,7 @@ def settle_grad_placements(params: list[torch.nn.Parameter]) -> None:
     the tokens), the vocabulary-split embedding's whole. Left so, every optimizer op that reads
     them redistributes again (four all-reduces per norm weight per step with AdamW) and the
     embedding's gradient takes tp times its share of memory. Settling them here costs one
-    all-reduce per Partial gradient (what workbench.comms predicts) and a local slice for the rest.
+    all-reduce per Partial gradient (what workbench.predict.comms predicts) and a local slice for the rest.
     """
     for p in params:
         g = p.grad
@@ -192,7 +192,7 @@ def _positions_for_cp(trainer: "Trainer", tokens: torch.Tensor, targets: torch.T
     plan = trainer.config.plan
     if plan.cp == 1:
         return tokens, targets, None
-    from .context_parallel import shard_sequence
+    from workbench.trainer.context_parallel import shard_sequence
 
     return shard_sequence(tokens, targets, trainer.meshes.local_rank("cp"), plan.cp)
 
@@ -220,7 +220,7 @@ def setup(config: RunConfig, rank: int, device: torch.device) -> Trainer:
 
     schedule = None
     if plan.pp > 1:
-        from .pipeline import build_schedule, build_stages
+        from workbench.trainer.pipeline import build_schedule, build_stages
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return cross_entropy(logits, targets) / n_micro
@@ -273,7 +273,7 @@ def train_step(trainer: Trainer) -> dict[str, Any]:
     b, m = t.micro_batch_size, trainer.n_microbatches
     with _autocast(trainer), _loss_parallel(trainer):
         if trainer.schedule is not None:
-            from .pipeline import holds_first, holds_last
+            from workbench.trainer.pipeline import holds_first, holds_last
 
             pp_rank = trainer.meshes.local_rank("pp")
             for module in trainer.modules:
@@ -297,7 +297,7 @@ def train_step(trainer: Trainer) -> dict[str, Any]:
                 local_loss += _plain(loss.detach()).float()
     _maybe_fail(trainer.rank, step)
     if plan.ep > 1:
-        from .expert_parallel import reduce_expert_grads
+        from workbench.trainer.expert_parallel import reduce_expert_grads
 
         for module in trainer.modules:
             reduce_expert_grads(module, trainer.meshes.expert_dp_group)

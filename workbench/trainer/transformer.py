@@ -1,4 +1,4 @@
-"""The bundled trainer's model: a Llama-style decoder built from a :class:`~workbench.model.ModelSpec`.
+"""The bundled trainer's model: a Llama-style decoder built from a :class:`~workbench.spec.model.ModelSpec`.
 
 Module names follow torchtitan so that sharding plans read the same::
 
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import ModelSpec
+from workbench.spec.model import ModelSpec
 
 # --------------------------------------------------------------------------- building blocks
 
@@ -44,7 +44,7 @@ from ..model import ModelSpec
 class _RMSNormFunction(torch.autograd.Function):
     """RMSNorm with the backward written out, so that it saves what fused kernels save: the input
     and ``rstd`` (one fp32 per token), not the normalised copy that autograd would keep for the
-    weight's gradient (a second activation-sized tensor per norm; workbench.memory counts the
+    weight's gradient (a second activation-sized tensor per norm; workbench.predict.memory counts the
     norm input only, as Korthikanti et al. do). Normalises in fp32 even under bf16 compute.
 
     With x_hat = x * rstd, g = dy * weight:  dx = rstd * (g - x_hat * mean(g * x_hat)),

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .cluster import Cluster
-from .config import RunConfig, TrainSettings
-from .errors import ConfigError
-from .memory import MemoryBill, estimate_memory
-from .model import ModelSpec
-from .perf import StepPrediction, predict_step
-from .plan import ParallelPlan
+from workbench.spec.cluster import Cluster
+from workbench.spec.config import RunConfig, TrainSettings
+from workbench.spec.errors import ConfigError
+from workbench.predict.memory import MemoryBill, estimate_memory
+from workbench.spec.model import ModelSpec
+from workbench.predict.perf import StepPrediction, predict_step
+from workbench.spec.plan import ParallelPlan
 
 GiB = float(1 << 30)
 RECOMPUTE_ORDER = ("none", "selective", "full")

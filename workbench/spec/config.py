@@ -24,10 +24,11 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-from .cluster import Cluster
-from .errors import ConfigError, check_choice, check_int, check_positive, require
-from .model import ModelSpec
-from .plan import ParallelPlan
+from workbench.spec.cluster import Cluster
+from workbench.spec.errors import ConfigError, check_choice, check_int, check_positive, require
+from workbench.spec.model import ModelSpec
+from workbench.spec.plan import ParallelPlan
+from workbench.spec.schedules import check_schedule
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 RECOMPUTE = ("none", "selective", "full")
@@ -182,14 +183,14 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         # Validate once with the batch unresolved (model and degree rules), then resolve the batch.
-        plan = self.plan.validate(self.model, self.cluster, replace(self.train, global_batch_size=0))
+        plan = validate_plan(self.plan, self.model, self.cluster, replace(self.train, global_batch_size=0))
         train = self.train
         if train.global_batch_size == 0:
             # One micro-batch per data-parallel rank, times enough to fill the pipeline.
             m = plan.pp * (2 if plan.pp > 1 else 1)
             train = replace(train, global_batch_size=train.micro_batch_size * plan.dp * m)
             object.__setattr__(self, "train", train)
-        object.__setattr__(self, "plan", plan.validate(self.model, self.cluster, train))
+        object.__setattr__(self, "plan", validate_plan(plan, self.model, self.cluster, train))
 
     @property
     def world_size(self) -> int:
@@ -246,6 +247,115 @@ class RunConfig:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             f.write(self.to_json())
+
+
+def validate_plan(plan: ParallelPlan, model: ModelSpec, cluster: Cluster, train: "TrainSettings") -> ParallelPlan:
+    """Check the plan against the model, the cluster and the training settings (the rules that need
+    more than one object, so they live here and not in the plan); return it with ``dp_shard`` resolved. Raises :class:`ConfigError` whose message spells out the rule."""
+    # Model divisibility first: "tp=3 does not divide n_heads=32" says more than a world-size mismatch.
+    t = plan.tp
+    require(model.n_heads % t == 0, f"tp={t} does not divide n_heads={model.n_heads}", field="tp", value=t)
+    require(
+        model.n_kv_heads % t == 0,
+        f"tp={t} does not divide n_kv_heads={model.n_kv_heads} (KV heads are split across TP ranks, "
+        f"not replicated; use a tp that divides {model.n_kv_heads})",
+        field="tp",
+        value=t,
+    )
+    if plan.ep > 1:
+        require(model.is_moe, f"ep={plan.ep} needs an MoE model (n_experts=0)", field="ep", value=plan.ep)
+        require(
+            model.n_experts % plan.ep == 0,
+            f"ep={plan.ep} does not divide n_experts={model.n_experts}",
+            field="ep",
+            value=plan.ep,
+        )
+    plan = plan.resolve(cluster.world_size)
+    stages = plan.n_stages
+    require(
+        stages <= model.n_layers,
+        f"pp x virtual_stages = {plan.pp} x {plan.virtual_stages} = {stages} exceeds n_layers={model.n_layers}",
+        field="pp",
+        value=plan.pp,
+    )
+    if plan.pp == 1:
+        require(
+            plan.virtual_stages == 1,
+            f"virtual_stages={plan.virtual_stages} needs pp > 1",
+            field="virtual_stages",
+            value=plan.virtual_stages,
+        )
+    else:
+        _validate_schedule(plan, train)
+    if plan.stage_layers is not None:
+        require(
+            len(plan.stage_layers) == stages and sum(plan.stage_layers) == model.n_layers
+            and min(plan.stage_layers) >= 1,
+            f"stage_layers={list(plan.stage_layers)} must give {stages} stages of >= 1 layer summing to "
+            f"n_layers={model.n_layers}",
+            field="stage_layers",
+            value=plan.stage_layers,
+        )
+    s = train.seq_len
+    if plan.cp > 1:
+        require(
+            s % (2 * plan.cp) == 0,
+            f"seq_len={s} is not divisible by 2 x cp = {2 * plan.cp} (load-balanced context parallel "
+            "gives each CP rank two chunks)",
+            field="cp",
+            value=plan.cp,
+        )
+    if t > 1 and plan.sequence_parallel:
+        local = s // plan.cp
+        require(
+            local % t == 0,
+            f"seq_len / cp = {s} / {plan.cp} = {local} is not divisible by tp={t} (sequence parallel "
+            "splits each rank's tokens across TP ranks)",
+            field="tp",
+            value=t,
+        )
+    if plan.ep > 1:
+        borrow = plan.dp_shard * plan.cp
+        require(
+            borrow % plan.ep == 0,
+            f"ep={plan.ep} does not divide dp_shard x cp = {plan.dp_shard} x {plan.cp} = {borrow} "
+            "(expert parallelism borrows its ranks from them)",
+            field="ep",
+            value=plan.ep,
+        )
+    if plan.loss_parallel:
+        require(t > 1, "loss_parallel needs tp > 1", field="loss_parallel", value=True)
+        require(model.vocab_size % t == 0, f"tp={t} does not divide vocab_size={model.vocab_size}", field="tp", value=t)
+    mb = train.micro_batch_size * plan.dp
+    require(
+        train.global_batch_size % mb == 0,  # 0: resolved later by RunConfig
+        f"global_batch_size={train.global_batch_size} is not divisible by micro_batch_size x dp = "
+        f"{train.micro_batch_size} x {plan.dp} = {mb}",
+        field="global_batch_size",
+        value=train.global_batch_size,
+    )
+    return plan
+
+
+def _validate_schedule(plan: ParallelPlan, train: TrainSettings) -> None:
+    """Micro-batch and virtual-stage rules of each schedule, exactly as torch 2.13's
+    torch.distributed.pipelining constructors have them (see :func:`workbench.spec.schedules.check_schedule`)."""
+    name, v, p = plan.pp_schedule, plan.virtual_stages, plan.pp
+    gbs, mbs = train.global_batch_size, train.micro_batch_size
+    per_step = mbs * plan.dp if plan.dp_shard > 0 else 0
+    # Without a resolved micro-batch count (global_batch_size=0, or not divisible: reported by
+    # validate() itself) only the virtual-stage rules can be checked; m = 2 x pp passes them all.
+    m = gbs // per_step if per_step and gbs and gbs % per_step == 0 else 0
+    try:
+        check_schedule(name, p, m or 2 * p, v)
+    except ConfigError as err:
+        if err.field != "n_microbatches":
+            raise
+        raise ConfigError(
+            f"global_batch_size / (micro_batch_size x dp) = {gbs} / ({mbs} x {plan.dp}) = {m} micro-batches: {err}",
+            field="global_batch_size",
+            value=gbs,
+        ) from None
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -7,8 +7,8 @@ and the launchers fail in one line instead of inside torch on every rank.
 
 from __future__ import annotations
 
-from ..config import RunConfig
-from ..errors import ConfigError
+from workbench.spec.config import RunConfig
+from workbench.spec.errors import ConfigError
 
 
 def unsupported(config: RunConfig) -> list[str]:

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from .config import DTYPE_BYTES, RunConfig, TrainSettings
-from .model import ModelSpec
-from .plan import ParallelPlan
-from .schedule import in_flight_at_peak
+from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
+from workbench.spec.model import ModelSpec
+from workbench.spec.plan import ParallelPlan
+from workbench.predict.pipeline import in_flight_at_peak
 
 if TYPE_CHECKING:
     pass
@@ -310,7 +310,7 @@ def in_flight_microbatches(plan: ParallelPlan, n_microbatches: int, pp_rank: int
     """Micro-batches whose activations a pipeline rank holds at its peak, per stage it holds
     (stages ascending, as :meth:`ParallelPlan.stages_of_rank`).
 
-    Read off the schedule's own action order (:func:`workbench.schedule.in_flight_at_peak`, the
+    Read off the schedule's own action order (:func:`workbench.predict.pipeline.in_flight_at_peak`, the
     order torch.distributed.pipelining runs): GPipe holds all m; 1F1B (PipeDream-Flush) p - r on
     rank r; interleaved 1F1B Megatron's (p - r - 1) * 2 + (v - 1) * p + 1 stage-micro-batches on
     rank r; ZBV 2p on every rank.

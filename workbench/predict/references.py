@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cluster import Cluster
-from .config import RunConfig, TrainSettings
-from .model import ModelSpec
-from .plan import ParallelPlan
+from workbench.spec.cluster import Cluster
+from workbench.spec.config import RunConfig, TrainSettings
+from workbench.spec.model import ModelSpec
+from workbench.spec.plan import ParallelPlan
 
 
 @dataclass(frozen=True)

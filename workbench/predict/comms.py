@@ -19,7 +19,7 @@ sends per call (:attr:`Collective.wire_bytes`), and busbw is comparable with the
 
 Times follow the alpha-beta model (Hockney; Thakur, Rabenseifner & Gropp 2005, "Optimization of
 collective communication operations in MPICH"), with alpha the link latency and B the per-GPU
-bandwidth each way of :class:`~workbench.cluster.LinkSpec`:
+bandwidth each way of :class:`~workbench.spec.cluster.LinkSpec`:
 
 * ring all-reduce:                      2 (n-1) alpha + 2 (n-1)/n x S / B
 * all-gather, reduce-scatter, all-to-all: (n-1) alpha +   (n-1)/n x S / B
@@ -41,14 +41,14 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from .config import DTYPE_BYTES
-from .errors import check_choice, require
-from .plan import ParallelPlan
+from workbench.spec.config import DTYPE_BYTES
+from workbench.spec.errors import check_choice, require
+from workbench.spec.plan import ParallelPlan
 
 if TYPE_CHECKING:
-    from .cluster import Cluster
-    from .config import RunConfig, TrainSettings
-    from .model import ModelSpec
+    from workbench.spec.cluster import Cluster
+    from workbench.spec.config import RunConfig, TrainSettings
+    from workbench.spec.model import ModelSpec
 
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
@@ -510,12 +510,12 @@ def _fsdp_gathers(plan: ParallelPlan, m: int, pp_rank: int) -> dict[int, tuple[t
     forward (and m in backward under zero 3), the root m times in forward. Under
     torch.distributed.pipelining, backward keeps parameters unsharded until the step's reduction
     (``set_reshard_after_backward(False)``), so the count follows the schedule's order of F and B
-    (:func:`workbench.schedule.schedule_order`): e.g. 1F1B, p = 2, m = 4 on rank 0 gathers a
+    (:func:`workbench.predict.pipeline.schedule_order`): e.g. 1F1B, p = 2, m = 4 on rank 0 gathers a
     zero-3 block 5 times (F0, F1, B0, B1, B2), GPipe 5 (F0..F3, B0), the root once."""
     z3 = plan.zero_stage == 3
     if plan.pp == 1:
         return {0: ((m, m if z3 else 0), (m, 0))}
-    from .schedule import schedule_order  # schedule imports plan only; import where needed
+    from workbench.predict.pipeline import schedule_order  # schedule imports plan only; import where needed
 
     order = schedule_order(plan.pp_schedule, plan.pp, m, plan.virtual_stages)[pp_rank]
     out = {}

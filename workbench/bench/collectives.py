@@ -1,6 +1,6 @@
-"""The collective benchmark: ``python -m workbench.bench.comms <run_dir>/bench.json`` under torchrun.
+"""The collective benchmark: ``python -m workbench.bench.collectives <run_dir>/bench.json`` under torchrun.
 
-Every rank reads the :class:`~workbench.bench.results.BenchSpec`, joins the job (gloo on CPU,
+Every rank reads the :class:`~workbench.rundir.benchmarks.BenchSpec`, joins the job (gloo on CPU,
 NCCL on CUDA), and builds the process groups of each group dimension of the plan from
 ``plan.group_ranks(dim)``, exactly as the trainer would. All groups of a dimension run at once, as
 they do in training (the TP groups of every node all-reduce together), so contention is measured.
@@ -13,7 +13,7 @@ pays for the barrier's exit skew and, on a busy CPU, for waking every process up
 (one per size per sweep), so that slow drifts in the machine's load affect every size alike, each
 after one untimed call that lines the ranks up again. A sample's time per call is its time / k
 averaged over the ranks (nccl-tests' default, ``-a 1``). Min, median and p95 over the samples;
-algbw and busbw from the median, by nccl-tests' conventions (:mod:`workbench.comms`).
+algbw and busbw from the median, by nccl-tests' conventions (:mod:`workbench.predict.comms`).
 
 What is timed (S = ``size_bytes``, n = group size, e = element bytes):
 
@@ -49,7 +49,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .results import BenchSpec, CommsResults, CommsRow, save_results
+from workbench.rundir.record import workbench_version
+from workbench.rundir.benchmarks import BenchSpec, CommsResults, CommsRow, save_results
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_CALLS_PER_SAMPLE = 256
@@ -300,9 +301,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def versions(backend: str) -> dict:
-    from .. import __version__
 
-    out = {"python": platform.python_version(), "torch": torch.__version__, "workbench": __version__,
+    out = {"python": platform.python_version(), "torch": torch.__version__, "workbench": workbench_version(),
            "hostname": socket.gethostname(), "start_time": _dt.datetime.now(_dt.timezone.utc).isoformat()}
     if torch.cuda.is_available():
         out["cuda"] = torch.version.cuda
@@ -363,7 +363,7 @@ def pick_backend(spec: BenchSpec) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: torchrun ... -m workbench.bench.comms <run_dir>/bench.json", file=sys.stderr)
+        print("usage: torchrun ... -m workbench.bench.collectives <run_dir>/bench.json", file=sys.stderr)
         return 2
     spec_path = Path(argv[0])
     import json

@@ -16,7 +16,8 @@ import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-from .errors import ConfigError, check_choice, check_int, require
+from workbench.spec.errors import ConfigError, check_choice, check_int, require
+from workbench.spec.hf import hf_config_fields
 
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
@@ -157,9 +158,7 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, config: str | os.PathLike | Mapping[str, Any]) -> "ModelSpec":
         """Read a Hugging Face ``config.json`` (a path, or the parsed dict)."""
-        from .hf import spec_from_hf_config
-
-        return spec_from_hf_config(config)
+        return cls(**hf_config_fields(config))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

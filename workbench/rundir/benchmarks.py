@@ -4,11 +4,11 @@
 A benchmark run directory (DESIGN.md, ``runs/<run-id>/``) holds::
 
     bench.json     the BenchSpec: cluster, plan, sizes, ops, iteration budget
-    comms.json     CommsResults, written by rank 0 of ``python -m workbench.bench.comms``
+    comms.json     CommsResults, written by rank 0 of ``python -m workbench.bench.collectives``
     compute.json   ComputeResults of the matmul microbenchmark (optional)
     torchrun.log   the benchmark processes' output
 
-Sizes and bandwidths follow :mod:`workbench.comms` (nccl-tests, doc/PERFORMANCE.md): ``size_bytes``
+Sizes and bandwidths follow :mod:`workbench.predict.comms` (nccl-tests, doc/PERFORMANCE.md): ``size_bytes``
 is S as nccl-tests counts it (the all-gather *output*, the reduce-scatter *input*, one rank's whole
 all-to-all send buffer), ``algbw = S / t`` and ``busbw = algbw x BUS_FACTOR[op](n)``. Times are
 seconds per call; bandwidths are bytes per second. Pure Python: no torch.
@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..cluster import Cluster
-from ..comms import BUS_FACTOR, OPS
-from ..errors import ConfigError, check_choice, check_int, check_positive, require
-from ..plan import ParallelPlan
+from workbench.spec.cluster import Cluster
+from workbench.predict.comms import BUS_FACTOR, OPS
+from workbench.spec.errors import ConfigError, check_choice, check_int, check_positive, require
+from workbench.spec.plan import ParallelPlan
 
 SCHEMA_VERSION = 1
 # Group dimensions the benchmark measures, innermost first (the order of the table), and the
@@ -59,7 +59,7 @@ class BenchSpec:
     """``bench.json``: the cluster the ranks stand for, the plan whose groups are measured, and
     how long to measure.
 
-    Iterations adapt to the time each call takes (see :mod:`workbench.bench.comms`): after
+    Iterations adapt to the time each call takes (see :mod:`workbench.bench.collectives`): after
     ``warmup`` untimed calls, a *sample* is ``k`` back-to-back calls, with k chosen so that a
     sample lasts at least ``min_sample_s``; ``min_samples``..``max_samples`` samples are taken, as
     many as fit in ``point_budget_s`` per (dim, op, size), round-robin over the sizes.

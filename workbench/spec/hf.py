@@ -1,4 +1,9 @@
-"""Hugging Face ``config.json`` to :class:`ModelSpec` (Llama, Mistral, Mixtral, Qwen2/3, dense and MoE)."""
+"""Hugging Face ``config.json`` to :class:`~workbench.spec.model.ModelSpec` fields (Llama, Mistral,
+Mixtral, Qwen2/3, dense and MoE).
+
+This module returns the fields, not the object, so that ``ModelSpec.from_hf_config`` can call it
+without the two modules importing each other.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import ConfigError
-from .model import ModelSpec
+from workbench.spec.errors import ConfigError
 
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -38,7 +42,8 @@ def _load(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     return data
 
 
-def spec_from_hf_config(config: str | os.PathLike | Mapping[str, Any]) -> ModelSpec:
+def hf_config_fields(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """The ModelSpec fields a ``config.json`` (a path, a folder holding one, or the parsed dict) describes."""
     cfg = _load(config)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED:
@@ -112,4 +117,4 @@ def spec_from_hf_config(config: str | os.PathLike | Mapping[str, Any]) -> ModelS
         shared = cfg.get("shared_expert_intermediate_size", 0) or 0
         if shared:
             kw.update(n_shared_experts=1, shared_d_ff=shared, shared_expert_gate=True)
-    return ModelSpec(**kw)
+    return kw

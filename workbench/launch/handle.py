@@ -1,8 +1,8 @@
-"""The :class:`Run` handle: a training job whose nodes are Jupyter kernels.
+"""The :class:`RunHandle` handle: a training job whose nodes are Jupyter kernels.
 
 ``launch(config, backend=...)`` makes the run directory, starts one kernel per node (the node's
 agent, ``agent.py``), starts torchrun on every node against one c10d rendezvous, and returns a
-:class:`Run`. The run then streams events live, says per node and per rank how things stand,
+:class:`RunHandle`. The run then streams events live, says per node and per rank how things stand,
 stops what is left when something fails, and stops, resumes and restarts on request.
 
 The run directory is the source of truth. Events are accepted per rank in ``seq`` order only: a
@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
-from ..config import RunConfig
-from ..errors import ConfigError, check_choice
-from ..telemetry.events import read_events
-from ..telemetry.rundir import create_run_dir, load_run
-from ..trainer.support import check_trainable
-from .agent import MARKER
-from .kernels import KernelChannel, KernelError, bootstrap_code
+from workbench.spec.config import RunConfig
+from workbench.spec.errors import ConfigError, check_choice
+from workbench.rundir.events import read_events
+from workbench.rundir.record import create_run_dir, load_run
+from workbench.spec.trainable import check_trainable
+from workbench.launch.agent import MARKER
+from workbench.launch.kernels import KernelChannel, KernelError, bootstrap_code
 
 BACKENDS = ("local", "ssh", "gateway")
 STATES = ("starting", "running", "finished", "failed", "stopped")
@@ -127,16 +127,16 @@ def make_backend(name: str, config: RunConfig, **options: Any):
     """The backend object for ``name`` (``local``, ``ssh``, ``gateway``) and its options."""
     check_choice("backend", name, BACKENDS)
     if name == "local":
-        from .kernels import LocalBackend
+        from workbench.launch.kernels import LocalBackend
 
         return LocalBackend(**options)
     if name == "ssh":
-        from .ssh import SSHBackend
+        from workbench.launch.ssh import SSHBackend
 
         if not options.get("hosts") and not options.get("hosts_file") and getattr(config.cluster, "hosts", None):
             options["hosts"] = list(config.cluster.hosts)  # a Cluster that names its hosts
         return SSHBackend(config.cluster.nodes, **options)
-    from .gateway import GatewayBackend
+    from workbench.launch.gateway import GatewayBackend
 
     return GatewayBackend(**options)
 
@@ -144,8 +144,8 @@ def make_backend(name: str, config: RunConfig, **options: Any):
 # --------------------------------------------------------------------------- the run
 
 
-class Run:
-    """A launched (or reopened) run. Thread-safe; one monitor thread per Run."""
+class RunHandle:
+    """A launched (or reopened) run. Thread-safe; one monitor thread per handle."""
 
     def __init__(self, path: Path, config: RunConfig, backend: Any, nodes: list[_Node], *,
                  env: dict[str, str] | None = None, join_timeout_s: float = 120.0, max_restarts: int = 0,
@@ -240,7 +240,7 @@ class Run:
         self.wait(timeout_s=5)
         return self.status()
 
-    def resume(self) -> "Run":
+    def resume(self) -> "RunHandle":
         """Start the job again, from the latest good checkpoint (``--resume``), with a fresh
         rendezvous id; nodes whose kernel has gone get a new one."""
         if self._run_state() not in TERMINAL:
@@ -252,7 +252,7 @@ class Run:
         self._start_attempt(resume=True)
         return self
 
-    def restart(self) -> "Run":
+    def restart(self) -> "RunHandle":
         """stop() if running, then resume()."""
         if self._run_state() not in TERMINAL:
             self.stop()
@@ -288,7 +288,7 @@ class Run:
         return status
 
     def __repr__(self) -> str:
-        return f"Run({str(self.path)!r}, {self._run_state()})"
+        return f"RunHandle({str(self.path)!r}, {self._run_state()})"
 
     # ---- starting
 
@@ -637,8 +637,8 @@ def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.Path
            run_id: str | None = None, env: dict[str, str] | None = None, join_timeout_s: float = 120.0,
            max_restarts: int = 0, stop_timeout_s: float = 10.0, hold: tuple[int, ...] = (),
            program: list[str] | None = None, files: dict[str, str] | None = None,
-           **backend_options: Any) -> Run:
-    """Start ``config`` on ``config.cluster.nodes`` kernels and return its :class:`Run`.
+           **backend_options: Any) -> RunHandle:
+    """Start ``config`` on ``config.cluster.nodes`` kernels and return its :class:`RunHandle`.
 
     ``backend``: "local" (kernels on this machine), "ssh" (``hosts=[...]`` or ``hosts_file=``,
     key authentication), "gateway" (``url=``, ``token=``). ``env``: extra environment of every
@@ -660,7 +660,7 @@ def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.Path
     path = create_run_dir(config, run_root, run_id)
     addrs = be.node_addresses(config.cluster.nodes)
     nodes = [_Node(i, addrs[i], be.run_dir_of(path, i), held=i in hold) for i in range(config.cluster.nodes)]
-    run = Run(path, config, be, nodes, env=env, join_timeout_s=join_timeout_s, max_restarts=max_restarts,
+    run = RunHandle(path, config, be, nodes, env=env, join_timeout_s=join_timeout_s, max_restarts=max_restarts,
               stop_timeout_s=stop_timeout_s, program=program, files=files)
     errors = run._each(run._start_kernel, nodes)
     if any(errors):
@@ -673,7 +673,7 @@ def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.Path
     return run
 
 
-def open_run(path: str | os.PathLike, **backend_options: Any) -> Run:
+def open_run(path: str | os.PathLike, **backend_options: Any) -> RunHandle:
     """Reattach to a running or finished run: its run directory is the source of truth, and
     streaming continues from the events it holds. Secrets the launch did not save (a gateway
     token) are passed again here."""
@@ -681,7 +681,7 @@ def open_run(path: str | os.PathLike, **backend_options: Any) -> Run:
     loaded = load_run(path)
     launch_file = path / "launch" / "launch.json"
     if not launch_file.exists():  # started without kernels (workbench train): events only
-        run = Run(path, loaded.config, _NoBackend(), [])
+        run = RunHandle(path, loaded.config, _NoBackend(), [])
         run._load_history()
         return run
     data = json.loads(launch_file.read_text())
@@ -689,7 +689,7 @@ def open_run(path: str | os.PathLike, **backend_options: Any) -> Run:
     options.update(backend_options)
     be = make_backend(data["backend"], loaded.config, **options)
     nodes = [_Node(d["node"], d["addr"], d["run_dir"], host=d.get("host", "")) for d in data["nodes"]]
-    run = Run(path, loaded.config, be, nodes, env=data.get("env"), join_timeout_s=data.get("join_timeout_s", 120),
+    run = RunHandle(path, loaded.config, be, nodes, env=data.get("env"), join_timeout_s=data.get("join_timeout_s", 120),
               max_restarts=data.get("max_restarts", 0), stop_timeout_s=data.get("stop_timeout_s", 10),
               attempt=data.get("attempt", 0))
     run._load_history()

@@ -1,5 +1,5 @@
 """Start the collective benchmark on this machine: a run directory with ``bench.json``, then
-``torchrun`` with one process per rank of the cluster running ``python -m workbench.bench.comms``.
+``torchrun`` with one process per rank of the cluster running ``python -m workbench.bench.collectives``.
 
 Other launchers (the Jupyter-kernel ones, issue 6) start the same entry module with the same
 ``bench.json``; only how the processes are started differs. No torch is imported here.
@@ -8,19 +8,22 @@ Other launchers (the Jupyter-kernel ones, issue 6) start the same entry module w
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..cluster import Cluster
-from ..config import RunConfig
-from ..errors import require
-from ..plan import ParallelPlan
-from .results import DEFAULT_MAX_BYTES, BenchSpec, CommsResults, load_results, size_ladder
+from workbench.spec.cluster import Cluster
+from workbench.spec.config import RunConfig, TrainSettings
+from workbench.spec.errors import require
+from workbench.spec.model import ModelSpec
+from workbench.spec.plan import ParallelPlan
+from workbench.launch.handle import launch
+from workbench.rundir.benchmarks import DEFAULT_MAX_BYTES, BenchSpec, CommsResults, load_results, size_ladder
 
-ENTRY = "workbench.bench.comms"
+ENTRY = "workbench.bench.collectives"
 
 
 def _cuda_devices() -> int:
@@ -82,7 +85,6 @@ def run_comms_benchmark(config_or_cluster: RunConfig | Cluster | BenchSpec, plan
     run_dir = Path(run_root) / (run_id or new_bench_id(spec))
     run_dir.mkdir(parents=True, exist_ok=False)
     spec_path = run_dir / "bench.json"
-    import json
 
     spec_path.write_text(json.dumps(spec.to_dict(), indent=1))
     stream(f"bench {run_dir}  ({spec.world_size} ranks, plan {spec.plan.describe()}, "
@@ -111,17 +113,11 @@ def _run_through_launcher(spec: BenchSpec, backend: str, run_root: str | os.Path
     node (``backend`` local, ssh or gateway) starts torchrun over the benchmark's entry. The run
     directory holds ``bench.json`` and, from rank 0, ``comms.json`` (with a remote backend it is
     written on node 0: use ``shared_run_root=True`` to read it here)."""
-    import json
-
-    from ..config import TrainSettings
-    from ..launch import launch
-    from ..model import ModelSpec
-
     # The launcher sizes the job from a RunConfig: the cluster, and a plan of the same world size.
     sizing = RunConfig(ModelSpec.preset("tiny"), spec.cluster, ParallelPlan(dp_shard=spec.world_size, zero_stage=0),
                        TrainSettings(seq_len=64))
     run = launch(sizing, backend, run_root=run_root, run_id=run_id or new_bench_id(spec), env=env,
-                 program=["--bench", "{run_dir}/bench.json"], files={"bench.json": json.dumps(spec.to_dict(), indent=1)},
+                 program=[ENTRY, "{run_dir}/bench.json"], files={"bench.json": json.dumps(spec.to_dict(), indent=1)},
                  **options)
     stream(f"bench {run.path}  ({spec.world_size} ranks through {backend} kernels, plan {spec.plan.describe()})")
     try:

@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
 
-from .errors import ConfigError, check_int, check_positive, require
+from workbench.spec.errors import ConfigError, check_int, check_positive, require
 
 GiB = 1 << 30
 TIERS = ("intra_node", "inter_node", "inter_leaf")

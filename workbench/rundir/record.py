@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.metadata
 import json
 import os
 import platform
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import RunConfig
-from .events import read_events
+from workbench.spec.config import RunConfig
+from workbench.rundir.events import read_events
 
 
 def new_run_id(config: RunConfig) -> str:
@@ -34,10 +35,18 @@ def _git_revision() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def workbench_version() -> str:
+    """The installed distribution's version (pyproject.toml is the one place it is written)."""
+    try:
+        return importlib.metadata.version("workbench")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
 def _torch_info() -> tuple[str | None, list[str]]:
     """torch version and device names, without importing torch when it is not installed."""
     try:
-        import torch
+        import torch  # optional here: the launcher and the UI write manifests without torch
     except ImportError:
         return None, []
     devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
@@ -45,13 +54,11 @@ def _torch_info() -> tuple[str | None, list[str]]:
 
 
 def build_manifest(config: RunConfig) -> dict[str, Any]:
-    from .. import __version__
-
     torch_version, devices = _torch_info()
     return {
         "python": platform.python_version(),
         "torch": torch_version,
-        "workbench": __version__,
+        "workbench": workbench_version(),
         "git_revision": _git_revision(),
         "hostname": socket.gethostname(),
         "hosts": [socket.gethostname()],
@@ -76,8 +83,9 @@ def create_run_dir(config: RunConfig, root: str | os.PathLike = "runs", run_id: 
 
 
 @dataclass(frozen=True)
-class Run:
-    """A run directory, read back."""
+class RunRecord:
+    """A run directory on disk, read back (a live run you control is a
+    :class:`~workbench.launch.handle.RunHandle`)."""
 
     path: Path
     config: RunConfig
@@ -91,9 +99,9 @@ class Run:
         return [e for e in self.events() if e["kind"] == "step" and e["rank"] == 0]
 
 
-def load_run(path: str | os.PathLike) -> Run:
+def load_run(path: str | os.PathLike) -> RunRecord:
     path = Path(path)
     config = RunConfig.load(str(path / "config.json"))
     manifest_path = path / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    return Run(path=path, config=config, manifest=manifest)
+    return RunRecord(path=path, config=config, manifest=manifest)

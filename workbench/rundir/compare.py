@@ -1,8 +1,8 @@
 """Predicted next to measured: ``compare_run(run_dir) -> Comparison``.
 
-For the run's own RunConfig, the planner's predictions (:mod:`workbench.memory`,
-:mod:`workbench.comms`, :mod:`workbench.schedule`, :mod:`workbench.perf`) and the trainer's
-measurements (:mod:`workbench.telemetry.analysis` of the run's events) side by side, with the
+For the run's own RunConfig, the planner's predictions (:mod:`workbench.predict.memory`,
+:mod:`workbench.predict.comms`, :mod:`workbench.predict.pipeline`, :mod:`workbench.predict.perf`) and the trainer's
+measurements (:mod:`workbench.rundir.analysis` of the run's events) side by side, with the
 relative error ``(measured - predicted) / predicted``:
 
 * memory per component on the planner's most loaded rank (parameters, gradients, optimizer
@@ -24,14 +24,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .comms import EXPERT_DIMS, group_members, step_collectives
-from .config import RunConfig
-from .memory import estimate_memory
-from .perf import predict_step
-from .plan import ParallelPlan
-from .schedule import simulate_schedule
-from .telemetry import analysis
-from .telemetry.rundir import load_run
+from workbench.predict.comms import EXPERT_DIMS, group_members, step_collectives
+from workbench.spec.config import RunConfig
+from workbench.predict.memory import estimate_memory
+from workbench.predict.perf import predict_step
+from workbench.spec.plan import ParallelPlan
+from workbench.predict.pipeline import simulate_schedule
+from workbench.rundir import analysis
+from workbench.rundir.record import load_run
 
 MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer", "activations")
 
@@ -198,7 +198,7 @@ def compare_run(run_dir: str | os.PathLike) -> Comparison:
     prediction = predict_step(config)
     if plan.pp > 1:
         m = config.n_microbatches
-        from .comms import p2p_time
+        from workbench.predict.comms import p2p_time
 
         planned = simulate_schedule(plan.pp_schedule, plan.pp, m, plan.virtual_stages,
                                     stage_times=prediction.stage_times_s, p2p_time=p2p_time(config))

@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import DTYPE_BYTES, RunConfig
-from .errors import check_int, check_positive
-from .perf import StepPrediction, predict_step
+from workbench.spec.config import DTYPE_BYTES, RunConfig
+from workbench.spec.errors import check_int, check_positive
+from workbench.predict.perf import StepPrediction, predict_step
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Analyses of a run directory's events (no torch): what the trainer measured, summarised per step.
 
-Every function takes the list of events (``Run.events()`` or ``read_events(run_dir)``) and
-returns plain numbers under the planner's names, so that :mod:`workbench.compare` can set them
+Every function takes the list of events (``RunRecord.events()`` or ``read_events(run_dir)``) and
+returns plain numbers under the planner's names, so that :mod:`workbench.rundir.compare` can set them
 next to the predictions. Steps before :data:`WARMUP_STEPS` are skipped where timing matters (the
 first step pays one-off costs: lazy initialisation, allocator growth, first-touch of buffers); if
 a run has no later step, its first is used.
@@ -9,12 +9,26 @@ a run has no later step, its first is used.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from typing import Any, Iterable, Mapping
 
 WARMUP_STEPS = 1
 Events = Iterable[Mapping[str, Any]]
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The ``q``-th percentile (q in [0, 100]) by linear interpolation between the closest ranks
+    (numpy's default), so p50 is the median. The one percentile of the project: the trainer's
+    guards, the benchmarks, the analysis and the UI all report with it."""
+    v = sorted(values)
+    if not v:
+        raise ValueError("percentile of no values")
+    pos = (len(v) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
 def _of(events: Events, kind: str, rank: int | None = None) -> list[Mapping[str, Any]]:
@@ -172,11 +186,10 @@ def stragglers(events: Events) -> dict[str, Any]:
         if s in keep and ts:
             slowest[max(range(len(ts)), key=ts.__getitem__)] += 1
             flat.extend(ts)
-    flat.sort()
     if not flat:
         return {}
-    return {"slowest_rank_counts": dict(slowest), "p50_s": statistics.median(flat),
-            "p95_s": flat[min(len(flat) - 1, int(0.95 * len(flat)))], "max_s": flat[-1]}
+    return {"slowest_rank_counts": dict(slowest), "p50_s": percentile(flat, 50),
+            "p95_s": percentile(flat, 95), "max_s": max(flat)}
 
 
 def step_breakdown(events: Events, rank: int) -> dict[str, float]:

@@ -12,25 +12,25 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-from .errors import ConfigError, check_choice, check_int, require
-
-if TYPE_CHECKING:
-    from .cluster import Cluster
-    from .config import TrainSettings
-    from .model import ModelSpec
+from workbench.spec.cluster import Cluster
+from workbench.spec.errors import ConfigError, check_choice, check_int, require
+from workbench.spec.schedules import SCHEDULES, V_SCHEDULES
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# Composite groups: "dp" reduces gradients without CP, "dp_cp" with it; "dp_shard_cp" is the
-# FSDP sharding group (CP ranks hold different tokens of the same weights, so they shard too).
-GROUP_DIMS = MESH_DIMS + ("ep", "dp", "dp_shard_cp", "dp_cp")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev")
-# Schedules that give each rank several stages (virtual_stages > 1) and those that need exactly 2
-# (the V-shape: rank r holds stages r and 2p-1-r).
-MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev")
-V_SCHEDULES = ("zbv", "dualpipev")
+# Composite groups, each the flattening of mesh dimensions: "dp" reduces gradients without CP,
+# "dp_cp" with it; "dp_shard_cp" is the FSDP sharding group (CP ranks hold different tokens of
+# the same weights, so they shard too). The planner's groups and the trainer's flattened
+# DeviceMesh dimensions are both built from this one table.
+COMPOSITE_DIMS: dict[str, tuple[str, ...]] = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+GROUP_DIMS = MESH_DIMS + ("ep",) + tuple(COMPOSITE_DIMS)
 
 
 @dataclass(frozen=True)
@@ -143,12 +143,8 @@ class ParallelPlan:
     def degree(self, dim: str) -> int:
         if dim in MESH_DIMS or dim == "ep":
             return getattr(self, dim)
-        if dim == "dp":
-            return self.dp
-        if dim == "dp_shard_cp":
-            return self.dp_shard * self.cp
-        if dim == "dp_cp":
-            return self.dp * self.cp
+        if dim in COMPOSITE_DIMS:
+            return math.prod(getattr(self, d) for d in COMPOSITE_DIMS[dim])
         raise ConfigError(f"dim={dim!r} is not one of {', '.join(GROUP_DIMS)}", field="dim", value=dim)
 
     def resolve(self, world_size: int) -> "ParallelPlan":
@@ -173,94 +169,6 @@ class ParallelPlan:
             value=self.dp_shard,
         )
         return self
-
-    # ------------------------------------------------------------------ validation
-    def validate(self, model: "ModelSpec", cluster: "Cluster", train: "TrainSettings") -> "ParallelPlan":
-        """Check the plan against the model, the cluster and the training settings; return it
-        with ``dp_shard`` resolved. Raises :class:`ConfigError` whose message spells out the rule."""
-        # Model divisibility first: "tp=3 does not divide n_heads=32" says more than a world-size mismatch.
-        t = self.tp
-        require(model.n_heads % t == 0, f"tp={t} does not divide n_heads={model.n_heads}", field="tp", value=t)
-        require(
-            model.n_kv_heads % t == 0,
-            f"tp={t} does not divide n_kv_heads={model.n_kv_heads} (KV heads are split across TP ranks, "
-            f"not replicated; use a tp that divides {model.n_kv_heads})",
-            field="tp",
-            value=t,
-        )
-        if self.ep > 1:
-            require(model.is_moe, f"ep={self.ep} needs an MoE model (n_experts=0)", field="ep", value=self.ep)
-            require(
-                model.n_experts % self.ep == 0,
-                f"ep={self.ep} does not divide n_experts={model.n_experts}",
-                field="ep",
-                value=self.ep,
-            )
-        plan = self.resolve(cluster.world_size)
-        stages = plan.n_stages
-        require(
-            stages <= model.n_layers,
-            f"pp x virtual_stages = {plan.pp} x {plan.virtual_stages} = {stages} exceeds n_layers={model.n_layers}",
-            field="pp",
-            value=plan.pp,
-        )
-        if plan.pp == 1:
-            require(
-                plan.virtual_stages == 1,
-                f"virtual_stages={plan.virtual_stages} needs pp > 1",
-                field="virtual_stages",
-                value=plan.virtual_stages,
-            )
-        else:
-            _validate_schedule(plan, train)
-        if plan.stage_layers is not None:
-            require(
-                len(plan.stage_layers) == stages and sum(plan.stage_layers) == model.n_layers
-                and min(plan.stage_layers) >= 1,
-                f"stage_layers={list(plan.stage_layers)} must give {stages} stages of >= 1 layer summing to "
-                f"n_layers={model.n_layers}",
-                field="stage_layers",
-                value=plan.stage_layers,
-            )
-        s = train.seq_len
-        if plan.cp > 1:
-            require(
-                s % (2 * plan.cp) == 0,
-                f"seq_len={s} is not divisible by 2 x cp = {2 * plan.cp} (load-balanced context parallel "
-                "gives each CP rank two chunks)",
-                field="cp",
-                value=plan.cp,
-            )
-        if t > 1 and plan.sequence_parallel:
-            local = s // plan.cp
-            require(
-                local % t == 0,
-                f"seq_len / cp = {s} / {plan.cp} = {local} is not divisible by tp={t} (sequence parallel "
-                "splits each rank's tokens across TP ranks)",
-                field="tp",
-                value=t,
-            )
-        if plan.ep > 1:
-            borrow = plan.dp_shard * plan.cp
-            require(
-                borrow % plan.ep == 0,
-                f"ep={plan.ep} does not divide dp_shard x cp = {plan.dp_shard} x {plan.cp} = {borrow} "
-                "(expert parallelism borrows its ranks from them)",
-                field="ep",
-                value=plan.ep,
-            )
-        if plan.loss_parallel:
-            require(t > 1, "loss_parallel needs tp > 1", field="loss_parallel", value=True)
-            require(model.vocab_size % t == 0, f"tp={t} does not divide vocab_size={model.vocab_size}", field="tp", value=t)
-        mb = train.micro_batch_size * plan.dp
-        require(
-            train.global_batch_size % mb == 0,  # 0: resolved later by RunConfig
-            f"global_batch_size={train.global_batch_size} is not divisible by micro_batch_size x dp = "
-            f"{train.micro_batch_size} x {plan.dp} = {mb}",
-            field="global_batch_size",
-            value=train.global_batch_size,
-        )
-        return plan
 
     # ------------------------------------------------------------------ the mesh
     def strides(self) -> dict[str, int]:
@@ -315,7 +223,7 @@ class ParallelPlan:
         return tuple(pp_rank + i * p for i in range(v))
 
     # ------------------------------------------------------------------ placement
-    def placement(self, cluster: "Cluster") -> "Placement":
+    def placement(self, cluster: Cluster) -> "Placement":
         """Where each rank runs and which link tier each group dimension's traffic crosses."""
         plan = self.resolve(cluster.world_size)
         tiers = {dim: group_tier(plan, dim, cluster) for dim in GROUP_DIMS if plan.degree(dim) > 1}
@@ -416,40 +324,13 @@ def split_layers_by_cost(
     return tuple(best)
 
 
-def _validate_schedule(plan: ParallelPlan, train: "TrainSettings") -> None:
-    """Micro-batch and virtual-stage rules of each schedule, exactly as torch 2.13's
-    torch.distributed.pipelining constructors have them (see :func:`workbench.schedule.check_schedule`)."""
-    from .schedule import check_schedule  # schedule imports plan's constants: import here, not at the top
-
-    name, v, p = plan.pp_schedule, plan.virtual_stages, plan.pp
-    gbs, mbs = train.global_batch_size, train.micro_batch_size
-    per_step = mbs * plan.dp if plan.dp_shard > 0 else 0
-    # Without a resolved micro-batch count (global_batch_size=0, or not divisible: reported by
-    # validate() itself) only the virtual-stage rules can be checked; m = 2 x pp passes them all.
-    m = gbs // per_step if per_step and gbs and gbs % per_step == 0 else 0
-    try:
-        check_schedule(name, p, m or 2 * p, v)
-    except ConfigError as err:
-        if err.field != "n_microbatches":
-            raise
-        raise ConfigError(
-            f"global_batch_size / (micro_batch_size x dp) = {gbs} / ({mbs} x {plan.dp}) = {m} micro-batches: {err}",
-            field="global_batch_size",
-            value=gbs,
-        ) from None
-
-
 @functools.lru_cache(maxsize=4096)
 def _group_ranks(plan: ParallelPlan, dim: str) -> tuple[tuple[int, ...], ...]:
     world = plan.world_size
     if dim == "ep":
         key_of = lambda c: (c["pp"], c["dp_replicate"], (c["dp_shard"] * plan.cp + c["cp"]) // plan.ep, c["tp"])  # noqa: E731
     else:
-        members = {
-            "dp": ("dp_replicate", "dp_shard"),
-            "dp_shard_cp": ("dp_shard", "cp"),
-            "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-        }.get(dim, (dim,))
+        members = COMPOSITE_DIMS.get(dim, (dim,))
         if dim not in GROUP_DIMS:
             raise ConfigError(f"dim={dim!r} is not one of {', '.join(GROUP_DIMS)}", field="dim", value=dim)
         others = tuple(d for d in MESH_DIMS if d not in members)
@@ -482,10 +363,10 @@ def _tier_cached(plan: ParallelPlan, dim: str, gpus_per_node: int, nodes_per_lea
     return worst
 
 
-def group_tier(plan: ParallelPlan, dim: str, cluster: "Cluster") -> str:
+def group_tier(plan: ParallelPlan, dim: str, cluster: Cluster) -> str:
     """The slowest link tier any group of ``dim`` crosses."""
     return _tier_cached(plan, dim, cluster.gpus_per_node, cluster.nodes_per_leaf)
 
 
-def _nodes_spanned(plan: ParallelPlan, dim: str, cluster: "Cluster") -> int:
+def _nodes_spanned(plan: ParallelPlan, dim: str, cluster: Cluster) -> int:
     return max(len({r // cluster.gpus_per_node for r in g}) for g in _group_ranks(plan, dim))

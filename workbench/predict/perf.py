@@ -13,11 +13,11 @@ The model is physical, not fitted per row. One micro-batch on one pipeline stage
   k_ff hidden / tp) x e`` per token and layer, backward twice that.
 
 Recomputation adds the recomputed forward to the backward (selective: the attention core; full:
-the whole block). Communication comes from :mod:`workbench.comms`: exposed TP/SP, CP and EP
+the whole block). Communication comes from :mod:`workbench.predict.comms`: exposed TP/SP, CP and EP
 collectives lengthen each stage's forward and backward; pipeline sends are the schedule's p2p
 time; FSDP and data-parallel collectives overlap compute and are exposed only where they outlast
 the compute they hide behind (plus the first all-gather and last reduce-scatter of a step, which
-nothing hides). The stages' forward/backward times go through :func:`workbench.schedule.simulate_schedule`,
+nothing hides). The stages' forward/backward times go through :func:`workbench.predict.pipeline.simulate_schedule`,
 whose makespan includes the bubble. Then the optimizer step (memory bound) ends the step.
 
 MFU follows PaLM (Chowdhery et al. 2022, appendix B): model FLOPs per token ``6 N + 12 L h s``
@@ -30,10 +30,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from .comms import step_collectives
-from .config import DTYPE_BYTES, RunConfig
-from .memory import MemoryBill, estimate_memory
-from .schedule import simulate_schedule
+from workbench.predict.comms import step_collectives
+from workbench.spec.config import DTYPE_BYTES, RunConfig
+from workbench.predict.memory import MemoryBill, estimate_memory
+from workbench.predict.pipeline import simulate_schedule
 
 # Dims whose collectives sit inside a stage's forward/backward, per micro-batch.
 _IN_STAGE_DIMS = ("tp", "cp", "ep")
@@ -345,17 +345,26 @@ def predict_step(
     tokens = config.tokens_per_step
     world = config.world_size
     model_flops = model.flops_per_token(train.seq_len) * tokens
-    # MFU against the dense bf16 peak (fp8 runs too, as is customary); fp32 runs against fp32's.
-    peak = config.cluster.gpu.peak_flops("fp32" if train.compute_dtype == "fp32" else "bf16")
-    mfu = model_flops / (step * world * peak)
     return StepPrediction(
         step_time_s=step,
         tokens_per_s=tokens / step,
         tokens_per_s_per_gpu=tokens / step / world,
-        mfu=mfu,
+        mfu=mfu(config, step),
         model_flops_per_s_per_gpu=model_flops / step / world,
         bubble_fraction=bubble / step,
         breakdown=breakdown,
         stage_times_s=tuple(stage_times),
         critical_pp_rank=crit,
     )
+
+
+def mfu(config: RunConfig, step_time_s: float) -> float:
+    """Model FLOPs utilisation of a step that took ``step_time_s``: PaLM's model FLOPs per token
+    (``6 N + 12 L h s``, :meth:`ModelSpec.flops_per_token`) x tokens per step / (step time x GPUs x
+    dense peak). The peak is bf16's for every mixed-precision run (fp8 runs too, as is customary)
+    and fp32's for fp32 runs. The planner predicts with it and the trainer measures with it, so the
+    two MFUs are the same quantity."""
+    train = config.train
+    flops = config.model.flops_per_token(train.seq_len) * config.tokens_per_step
+    peak = config.cluster.gpu.peak_flops("fp32" if train.compute_dtype == "fp32" else "bf16")
+    return flops / (step_time_s * config.world_size * peak)

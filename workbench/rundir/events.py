@@ -96,7 +96,7 @@ class Collectives:
     ``op`` (all_reduce | all_gather | reduce_scatter | all_to_all | send_recv | broadcast),
     ``dim`` (the plan's group dimension whose ranks equal the call's group; "world" or "other"
     when none does), ``group`` (sorted global ranks), ``n`` (group size), ``bytes`` (S by the
-    nccl-tests convention of :mod:`workbench.comms`), ``wire_bytes`` (S x bus factor: what this
+    nccl-tests convention of :mod:`workbench.predict.comms`), ``wire_bytes`` (S x bus factor: what this
     rank sends with a ring/pairwise algorithm), ``start``/``end`` (wall-clock seconds; ``end`` is
     when the call completed or, for asynchronous calls, when completion was observed), ``algbw`` and
     ``busbw`` (bytes/s, nccl-tests), ``dir`` ("send"/"recv" for point-to-point), ``api``
@@ -132,7 +132,7 @@ class PipelineStep:
 
 @dataclass(frozen=True)
 class Memory:
-    """Measured bytes of this rank, per component of the planner's bill (workbench.memory):
+    """Measured bytes of this rank, per component of the planner's bill (workbench.predict.memory):
     ``parameters``, ``gradients``, ``optimizer`` from the real tensors' local shards (no padding);
     ``activations``: peak bytes saved for backward (saved-tensor hooks; storages counted once,
     parameters excluded) during the step; the CUDA allocator's peaks on GPU (None on CPU)."""
