@@ -2,3 +2,82 @@ import os
 
 # Multi-process tests share 2 cores: one thread per process keeps them from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import multiprocessing.process  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+# ---------------------------------------------------------------------------- tiers
+# Markers (registered in pyproject.toml): `multiprocess` on every test that starts processes
+# (torchrun ranks, Jupyter kernels, the CLI or the trainer in a subprocess, sshd, a served app),
+# `browser` on those that drive Chromium. `-m "not multiprocess and not browser"` is the fast tier:
+# it starts no process. To keep it so, every process started while an unmarked test runs (its
+# fixtures included) is listed at the end of the run, save the one-shot helpers that library code
+# runs for a value (INCIDENTAL: the run manifest's `git rev-parse`, platform's `uname -p`).
+# `slow` marks in-process tests that train long enough to matter in the fast tier.
+
+INCIDENTAL = {"git", "uname"}
+
+_current: list[pytest.Item] = []
+_unmarked_starts: dict[str, list[str]] = {}
+
+
+def _record(what: str) -> None:
+    item = _current[-1] if _current else None
+    if item is not None and item.get_closest_marker("multiprocess") is None:
+        _unmarked_starts.setdefault(item.nodeid, []).append(what[:120])
+
+
+_popen_init = subprocess.Popen.__init__
+_process_start = multiprocessing.process.BaseProcess.start
+
+
+def _recording_popen_init(self, args, *a, **kw):
+    argv = [str(x) for x in args] if isinstance(args, (list, tuple)) else str(args).split()
+    if not argv or os.path.basename(argv[0]) not in INCIDENTAL:
+        _record(" ".join(argv))
+    _popen_init(self, args, *a, **kw)
+
+
+def _recording_process_start(self):
+    _record(f"multiprocessing {self.name}")
+    _process_start(self)
+
+
+subprocess.Popen.__init__ = _recording_popen_init
+multiprocessing.process.BaseProcess.start = _recording_process_start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current.append(item)
+    try:
+        return (yield)
+    finally:
+        _current.pop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unmarked_starts:
+        terminalreporter.section("processes started by tests without the multiprocess marker")
+        for nodeid, starts in _unmarked_starts.items():
+            terminalreporter.line(f"{nodeid}: {len(starts)} x, first: {starts[0]}")
+
+
+# ---------------------------------------------------------------------------- shared fixtures
+@pytest.fixture(scope="session")
+def reference_losses():
+    """``reference_losses(model)``: the single-process losses of :func:`dist.make_config` with the
+    loss-equality settings, trained once per session and model (several files compare to them)."""
+    cache: dict[str, list[float]] = {}
+
+    def get(model: str = "tiny") -> list[float]:
+        if model not in cache:
+            from dist import make_config
+            from workbench.trainer.train import run_training
+
+            cache[model] = run_training(make_config("", 1, model))
+        return cache[model]
+
+    return get

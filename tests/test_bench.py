@@ -266,6 +266,6 @@ def test_benchmark_runs_through_the_training_launcher(tmp_path) -> None:
     assert {(r.dim, r.tier, r.group_size) for r in results.rows} == {("tp", "intra_node", 2), ("world", "inter_node", 4)}
     assert len(results.rows) == 2 * len(OPS) * len(size_ladder(4096))
     assert (run_dir / "bench.json").exists() and (run_dir / "launch").is_dir()
-    assert any("--bench" in line for log in (run_dir / "launch").glob("torchrun-node*.log") for line in log.read_text().splitlines())
+    assert any("workbench.bench.collectives" in line for log in (run_dir / "launch").glob("torchrun-node*.log") for line in log.read_text().splitlines())
     leftover = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not [p for p in leftover if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

@@ -11,19 +11,19 @@ bit for bit, and reshardable across layouts.
 * world 4, one torchrun job: dp_shard=2 x tp=2 saved, dp_shard=4 resumed.
 
 Resharded runs continue the saved run's losses within relative 1e-4 (another layout reduces in
-another order: ~1e-6, not bitwise). Run this file as a script to be one torchrun worker.
+another order: ~1e-6, not bitwise). The torchrun jobs run through tests/dist.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from dist import LOSS_SETTINGS, max_rel_diff, run_torchrun
+from dist import make_config as _make_config
 
 STEPS = 6
 EVERY = 3
@@ -31,15 +31,10 @@ RTOL = 1e-4
 
 
 def make_config(plan_text: str, world: int, **train):
-    from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
-
-    fields = dict(seq_len=32, micro_batch_size=2, global_batch_size=8, steps=STEPS, warmup_steps=2, lr=3e-3,
-                  seed=1, deterministic=True, checkpoint_every=EVERY)
+    """The loss-equality settings (tests/dist.py), 6 steps, deterministic, a checkpoint every 3."""
+    fields = dict(LOSS_SETTINGS, steps=STEPS, deterministic=True, checkpoint_every=EVERY)
     fields.update(train)
-    settings = TrainSettings(**fields).with_precision("fp32")
-    cluster = Cluster.preset("local-cpu", nodes=max(1, world // 2), gpus_per_node=min(world, 2))
-    plan = ParallelPlan.parse(plan_text, dp_shard=1) if plan_text else ParallelPlan(dp_shard=1)
-    return RunConfig(ModelSpec.preset("tiny"), cluster, plan, settings)
+    return _make_config(plan_text, world, "tiny", settings=fields)
 
 
 def copy_run(src: Path, dst: Path, steps: list[int]) -> Path:
@@ -64,11 +59,6 @@ def events(run_dir: Path, kind: str | None = None, rank: int | None = None) -> l
     from workbench.rundir import read_events
 
     return [e for e in read_events(run_dir) if (kind is None or e["kind"] == kind) and (rank is None or e["rank"] == rank)]
-
-
-def max_rel_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b), (a, b)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 # --------------------------------------------------------------------------- world 1
@@ -98,7 +88,8 @@ def test_settings_are_validated():
 
 def test_committed_checkpoint_files_events_and_size(baseline):
     from workbench.predict.cost import checkpoint_bytes
-    from workbench.trainer.checkpoint import list_checkpoints, verify_checkpoint
+    from workbench.rundir.checkpoints import list_checkpoints
+    from workbench.trainer.checkpoint import verify_checkpoint
 
     run_dir, _, config = baseline
     assert [s for s, _ in list_checkpoints(run_dir)] == [3, 6]
@@ -151,7 +142,8 @@ def corrupt_flip(path: Path) -> None:
 
 
 def test_verify_detects_every_kind_of_damage(baseline, tmp_path):
-    from workbench.trainer.checkpoint import list_checkpoints, verify_checkpoint
+    from workbench.rundir.checkpoints import list_checkpoints
+    from workbench.trainer.checkpoint import verify_checkpoint
 
     run_dir, _, _ = baseline
     cases = {
@@ -207,7 +199,7 @@ def test_no_good_checkpoint_starts_from_zero(baseline, tmp_path):
 
 def test_retention_deletes_only_after_a_newer_commit(tmp_path):
     from workbench.rundir import create_run_dir
-    from workbench.trainer.checkpoint import list_checkpoints
+    from workbench.rundir.checkpoints import list_checkpoints
 
     config = make_config("", 1, steps=3, checkpoint_every=1, checkpoint_keep=2)
     run_dir = create_run_dir(config, tmp_path, "keep")
@@ -233,7 +225,7 @@ TASKS_4 = {
 
 def worker(spec_path: str) -> None:
     """One rank of a torchrun job: run the tasks of the spec in order; rank 0 writes the losses."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # made by init_distributed, ended by tests/dist.py
 
     from workbench import RunConfig
     from workbench.rundir.events import EventWriter
@@ -253,8 +245,6 @@ def worker(spec_path: str) -> None:
             results[name] = run_training(config, writer, run_dir=run_dir, resume=bool(task["source"]))
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def run_tasks(tasks: dict, world: int, tmp_path: Path) -> dict[str, list[float]]:
@@ -267,11 +257,7 @@ def run_tasks(tasks: dict, world: int, tmp_path: Path) -> dict[str, list[float]]
         spec["tasks"][name] = {"run_dir": str(run_dir), "source": src, "steps": steps}
     spec_path = tmp_path / f"spec-{world}.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORKBENCH_PG_TIMEOUT_S="60")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           __file__, "worker", str(spec_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_torchrun("test_checkpoint:worker", world, [str(spec_path)], timeout=300)
     return json.loads(Path(spec["out"]).read_text())
 
 
@@ -321,6 +307,3 @@ def test_world_4_tp_to_fsdp_resharding(tmp_path):
     results = run_tasks(TASKS_4, 4, tmp_path)
     check_resharded(tmp_path, results, "T", "T->dp4", 4)
 
-
-if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
-    worker(sys.argv[2])

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
@@ -50,6 +51,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "workbench.cli", *args], capture_output=True, text=True)
 
 
+@pytest.mark.multiprocess  # the CLI in a subprocess
 def test_bad_input_is_one_line_and_exit_2():
     for args, message in [
         (["memory", "--model", "llama3-8b", "--tp", "3"], "error: tp=3 does not divide n_heads=32"),
@@ -107,6 +109,7 @@ def test_mesh_json_groups_equal_the_plan():
     assert data["ranks"][13] == {"rank": 13, "node": 1, "gpu": 5, **plan.rank_coords(13)}
 
 
+@pytest.mark.multiprocess  # the CLI in a subprocess
 def test_mesh_warns_about_tp_across_nodes():
     result = CliRunner().invoke(main, ["mesh", "--model", "llama3-8b", "--nodes", "2", "--plan", "tp=8,dp=2",
                                        "--cluster", "dgx-h100"])
@@ -115,6 +118,7 @@ def test_mesh_warns_about_tp_across_nodes():
     assert proc.returncode == 2 and "tp=16 does not divide n_kv_heads=8" in proc.stderr
 
 
+@pytest.mark.multiprocess  # the CLI in a subprocess
 def test_train_refuses_what_the_trainer_cannot_run_before_starting(tmp_path):
     for args, message in [
         (["train", "--model", "tiny-moe", "--plan", "tp=2"], "error: tp=2 with MoE layers"),

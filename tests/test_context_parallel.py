@@ -2,17 +2,14 @@
 
 The multi-rank checks run in one set of 4 gloo processes (torch.multiprocessing spawn): the CP
 group of all 4 ranks and the two CP groups {0, 1}, {2, 3} of size 2, so one start-up serves all.
-Then whole training runs of the bundled trainer (torchrun, this file as the worker script): cp=2
-and cp=2 x tp=2 give the single-process losses.
+Then whole training runs of the bundled trainer (torchrun through tests/dist.py): cp=2 and
+cp=2 x tp=2 give the single-process losses.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dist import LOSS_SETTINGS, make_config, max_rel_diff, run_torchrun
 from workbench.spec.errors import ConfigError
 from workbench.trainer.context_parallel import (
     apply_cp,
@@ -162,19 +160,9 @@ def ring_checks(rank: int) -> dict[str, dict[str, float]]:
 
 
 # ---------------------------------------------------------------------- whole training runs
-STEPS = 10
+# make_config (tests/dist.py): the settings of tests/test_trainer_layouts.py (fp32, pydoc corpus, 10 steps)
+STEPS = LOSS_SETTINGS["steps"]
 RTOL = 1e-4
-
-
-def make_config(plan_text: str, world: int, model: str = "tiny"):
-    """The settings of tests/test_trainer_layouts.py (fp32, pydoc corpus, 10 steps)."""
-    from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
-
-    train = TrainSettings(seq_len=32, micro_batch_size=2, global_batch_size=8, steps=STEPS, warmup_steps=2,
-                          lr=3e-3, seed=1).with_precision("fp32")
-    cluster = Cluster.preset("local-cpu", nodes=max(1, world // 2), gpus_per_node=min(world, 2))
-    plan = ParallelPlan.parse(plan_text, dp_shard=1) if plan_text else ParallelPlan(dp_shard=1)
-    return RunConfig(ModelSpec.preset(model), cluster, plan, train)
 
 
 def run_worker(out_path: str, model: str, layouts: list[str]) -> None:
@@ -194,29 +182,17 @@ def run_worker(out_path: str, model: str, layouts: list[str]) -> None:
             results[item] = run_training(make_config(item, world, model))
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def run_job(world: int, model: str, layouts: list[str], tmp_path: Path) -> dict:
     out = tmp_path / f"losses-{world}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORKBENCH_PG_TIMEOUT_S="60")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           __file__, "worker", str(out), model, *layouts]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_torchrun("test_context_parallel:run_worker", world, [str(out), model, layouts], timeout=300)
     return json.loads(out.read_text())
 
 
-def max_rel_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
-
 @pytest.fixture(scope="module")
-def reference() -> list[float]:
-    from workbench.trainer.train import run_training
-
-    return run_training(make_config("", 1))
+def reference(reference_losses) -> list[float]:
+    return reference_losses("tiny")
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +227,3 @@ def test_training_losses_equal_single_process(world: int, layout: str, reference
     assert reference[-1] < reference[0] - 0.1  # the run learns, so equal losses mean something
     assert diff <= RTOL, f"{layout}: {losses} vs {reference}"
 
-
-if __name__ == "__main__" and len(sys.argv) > 3 and sys.argv[1] == "worker":
-    run_worker(sys.argv[2], sys.argv[3], sys.argv[4:])

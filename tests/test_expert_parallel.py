@@ -4,21 +4,20 @@ and (after reduce_expert_grads) the gradients of the unsharded layer run on all 
 One torchrun job of 4 gloo processes checks ep=2 (EP groups {0,1}, {2,3}; expert-data-parallel
 groups {0,2}, {1,3}: the ep x dp_shard layout) and ep=4, with a router skewed so that the
 all-to-all splits are uneven (and some are empty); then the same job trains dp_shard=4 x ep=2,
-and a job of 2 trains ep=2, against the single-process losses (this file is the worker script).
+and a job of 2 trains ep=2, against the single-process losses (torchrun through tests/dist.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from dist import LOSS_SETTINGS, max_rel_diff, run_torchrun
+from dist import make_config as _make_config
 from workbench.spec.errors import ConfigError
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
@@ -153,20 +152,14 @@ def ep_checks(rank: int) -> dict[str, dict[str, float]]:
 
 
 # ---------------------------------------------------------------------- whole training runs
-STEPS = 10
+STEPS = LOSS_SETTINGS["steps"]
 RTOL = 1e-4
 MODEL = "tiny-moe"
 
 
 def make_config(plan_text: str, world: int):
     """The settings of tests/test_trainer_layouts.py (fp32, pydoc corpus, 10 steps), MoE model."""
-    from workbench import Cluster, RunConfig, TrainSettings
-
-    train = TrainSettings(seq_len=32, micro_batch_size=2, global_batch_size=8, steps=STEPS, warmup_steps=2,
-                          lr=3e-3, seed=1).with_precision("fp32")
-    cluster = Cluster.preset("local-cpu", nodes=max(1, world // 2), gpus_per_node=min(world, 2))
-    plan = ParallelPlan.parse(plan_text, dp_shard=1) if plan_text else ParallelPlan(dp_shard=1)
-    return RunConfig(ModelSpec.preset(MODEL), cluster, plan, train)
+    return _make_config(plan_text, world, MODEL)
 
 
 def run_worker(out_dir: str, items: list[str]) -> None:
@@ -185,18 +178,15 @@ def run_worker(out_dir: str, items: list[str]) -> None:
             result = run_training(make_config(item, world))
         if rank == 0:
             Path(out_dir, f"{n}.json").write_text(json.dumps({"item": item, "result": result}))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 class Job:
     """A finished torchrun job and what its rank 0 wrote."""
 
     def __init__(self, world: int, items: list[str], out_dir: Path):
-        env = dict(os.environ, OMP_NUM_THREADS="1", WORKBENCH_PG_TIMEOUT_S="60")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               __file__, "worker", str(out_dir), *items]
-        self.proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        # not check=True: what rank 0 wrote before a failure still counts (see get)
+        self.proc = run_torchrun("test_expert_parallel:run_worker", world, [str(out_dir), items], timeout=300,
+                                 check=False)
         self.results = {}
         for f in out_dir.glob("*.json"):
             data = json.loads(f.read_text())
@@ -214,10 +204,8 @@ def world4(tmp_path_factory) -> Job:
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[float]:
-    from workbench.trainer.train import run_training
-
-    return run_training(make_config("", 1))
+def reference(reference_losses) -> list[float]:
+    return reference_losses(MODEL)
 
 
 @pytest.mark.multiprocess
@@ -242,11 +230,8 @@ def test_expert_parallel_equals_unsharded_moe(world4: Job) -> None:
 @pytest.mark.parametrize("world, layout", [(2, "ep=2,dp_shard=2"), (4, "dp_shard=4,ep=2")])
 def test_training_losses_equal_single_process(world: int, layout: str, reference, world4: Job, tmp_path) -> None:
     losses = world4.get(layout) if world == WORLD else Job(world, [layout], tmp_path).get(layout)
-    diff = max(abs(x - y) / abs(y) for x, y in zip(losses, reference, strict=True))
+    diff = max_rel_diff(losses, reference)
     print(f"\n{layout}: max relative loss difference over {STEPS} steps {diff:.2e}")
     assert reference[-1] < reference[0] - 0.1
     assert diff <= RTOL, f"{layout}: {losses} vs {reference}"
 
-
-if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
-    run_worker(sys.argv[2], sys.argv[3:])

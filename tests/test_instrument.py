@@ -54,7 +54,7 @@ def test_measured_memory_matches_the_bill(tmp_path, monkeypatch):
 def test_activation_meter_skips_weights_and_counts_storages_once():
     import torch
 
-    from workbench.trainer.instrument import SavedTensorMeter
+    from workbench.trainer.memory_meter import SavedTensorMeter
 
     w = torch.nn.Parameter(torch.randn(64, 64))
     x = torch.randn(8, 64, requires_grad=True)
@@ -70,7 +70,7 @@ def test_activation_meter_skips_weights_and_counts_storages_once():
 
 
 def test_guards_are_pure_functions_of_global_values():
-    from workbench.trainer.instrument import check_guards
+    from workbench.trainer.guards import check_guards
 
     cfg = config(guard_grad_spike=3.0, guard_min_tokens_per_s=100.0)
     ok = {"loss": 2.0, "grad_norm": 1.0}

@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from workbench.spec.errors import ConfigError
-from workbench.launch import launch, open_run
+from workbench.launch import handle, launch, open_run
+from workbench.launch.kernels import LocalBackend
 from workbench.launch.local import config_from_cli
 from workbench.rundir.events import find_gaps, read_events
 
@@ -79,8 +80,6 @@ def losses_by_step(events, rank: int = 0) -> dict[int, float]:
 def test_launch_rejects_bad_input_before_starting_anything(tmp_path):
     with pytest.raises(ConfigError, match="backend='slurmx' is not one of"):
         launch(tiny_config(2), backend="slurmx", run_root=tmp_path)
-    with pytest.raises(ConfigError, match="hold=0"):
-        launch(tiny_config(2), hold=(0,), run_root=tmp_path)
     with pytest.raises(ConfigError, match="transport="):
         launch(tiny_config(2), transport="udp", run_root=tmp_path)
     assert not any(tmp_path.iterdir())  # no run directory was made
@@ -191,8 +190,33 @@ def test_a_kernel_that_dies_is_reported_and_leaves_no_orphans(tmp_path):
         run.shutdown()
 
 
-def test_a_node_that_never_joins_is_named(tmp_path):
-    run = launch(tiny_config(5), "local", run_root=tmp_path, hold=(1,), join_timeout_s=4)
+class TorchrunNeverStarted:
+    """A node's kernel channel that never passes the driver's start on to the node's agent (and
+    says it went through): the node's kernel runs, its torchrun does not, so it never joins."""
+
+    def __init__(self, channel):
+        self._channel = channel
+
+    def __getattr__(self, name):
+        return getattr(self._channel, name)
+
+    def call(self, code: str, timeout_s: float = 60.0):
+        if ".AGENT.start(" in code:
+            return {"ok": True}
+        return self._channel.call(code, timeout_s)
+
+
+class Node1NeverStarts(LocalBackend):
+    """Local kernels, of which node 1's never starts its torchrun."""
+
+    def start(self, run_dir, node):
+        channel = super().start(run_dir, node)
+        return TorchrunNeverStarted(channel) if node == 1 else channel
+
+
+def test_a_node_that_never_joins_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(handle, "make_backend", lambda name, config, **options: Node1NeverStarts(**options))
+    run = launch(tiny_config(5), "local", run_root=tmp_path, join_timeout_s=4)
     try:
         status = run.wait(timeout_s=60)
         assert status.state == "failed", status

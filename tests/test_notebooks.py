@@ -69,6 +69,7 @@ def test_committed_without_outputs(path: Path):
     assert any("assert " in c.source for c in code), "a notebook checks the numbers it teaches"
 
 
+@pytest.mark.multiprocess  # a Jupyter kernel per notebook (04 and 05 start torchrun jobs too)
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
 def test_notebook_runs(path: Path, kernel_dir: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("JUPYTER_PATH", str(kernel_dir))

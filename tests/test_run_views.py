@@ -19,6 +19,7 @@ from workbench.rundir.benchmarks import CommsResults, CommsRow
 from workbench.predict.comms import BUS_FACTOR, collective_time
 from workbench.launch.local import config_from_cli
 from workbench.rundir import EventWriter, create_run_dir
+from workbench.rundir.tail import EventTail
 
 from widgets import run_transforms as rt
 from widgets.launch_view import backend_options, build_launch_config
@@ -79,7 +80,7 @@ def run_dir(tmp_path_factory):
 
 def test_tail_reads_only_new_whole_lines(tmp_path):
     path = create_run_dir(CONFIG, tmp_path, "t")
-    tail = rt.EventTail(path)
+    tail = EventTail(path)
     assert tail.read() == []
     with EventWriter(path, 0) as w:
         w.emit(kind="step", step=0, loss=1.0)
@@ -98,7 +99,7 @@ def test_tail_reads_only_new_whole_lines(tmp_path):
 def test_digest_matches_the_events_and_is_fast(run_dir):
     path, n = run_dir
     t0 = time.perf_counter()
-    events = rt.EventTail(path).read()
+    events = EventTail(path).read()
     read_s = time.perf_counter() - t0
     assert len(events) == n > 8000
     digest = rt.RunDigest(config=CONFIG)

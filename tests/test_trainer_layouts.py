@@ -4,23 +4,23 @@ The tiny model, a fixed seed and the pydoc corpus; per-step losses over STEPS st
 layout must equal the single-process run within relative tolerance 1e-4 (fp32 on CPU; what
 differs is only the order of floating-point reductions).
 
-To fit the CI budget, one torchrun job per world size runs all of its layouts in sequence (the
-process group is made once; every layout builds its own DeviceMesh), and the single-process
-reference runs once, in the test process. Run this file as a script to be one such worker.
+To fit the CI budget, one torchrun job per world size (tests/dist.py) runs all of its layouts in
+sequence (the process group is made once; every layout builds its own DeviceMesh), and the
+single-process reference runs once, in the test process (the session's ``reference_losses``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-STEPS = 10
+from dist import LOSS_SETTINGS, max_rel_diff, run_torchrun
+from dist import make_config as _make_config
+
+STEPS = LOSS_SETTINGS["steps"]  # 10
 RTOL = 1e-4
 
 # Layouts of world size 2 and 4 (cp and ep layouts are tested in test_context_parallel.py and
@@ -54,19 +54,11 @@ RECOMPUTE = {"dp_shard=2,zero=2": "full", "tp=2,sequence_parallel=0,loss_paralle
 
 
 def make_config(plan_text: str, world: int):
-    from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
-
-    train = TrainSettings(seq_len=32, micro_batch_size=2, global_batch_size=8, steps=STEPS, warmup_steps=2,
-                          lr=3e-3, seed=1, recompute=RECOMPUTE.get(plan_text, "none")).with_precision("fp32")
-    cluster = Cluster.preset("local-cpu", nodes=max(1, world // 2), gpus_per_node=min(world, 2))
-    plan = ParallelPlan.parse(plan_text, dp_shard=1) if plan_text else ParallelPlan(dp_shard=1)
-    return RunConfig(ModelSpec.preset("tiny"), cluster, plan, train)
+    return _make_config(plan_text, world, recompute=RECOMPUTE.get(plan_text, "none"))
 
 
 def worker(out_path: str, layouts: list[str]) -> None:
     """One rank of a torchrun job: train each layout, rank 0 writes {layout: losses}."""
-    import torch.distributed as dist
-
     from workbench import ParallelPlan
     from workbench.trainer.mesh import build_meshes, check_mesh
     from workbench.trainer.train import init_distributed, run_training
@@ -87,29 +79,17 @@ def worker(out_path: str, layouts: list[str]) -> None:
             print(f"{text}: {time.time() - t0:.1f}s", flush=True)
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def run_job(world: int, layouts: list[str], tmp_path: Path) -> dict[str, list[float]]:
     out = tmp_path / f"losses-{world}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORKBENCH_PG_TIMEOUT_S="60")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           __file__, "worker", str(out), *layouts]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_torchrun("test_trainer_layouts:worker", world, [str(out), layouts], timeout=400)
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[float]:
-    from workbench.trainer.train import run_training
-
-    return run_training(make_config("", 1))
-
-
-def max_rel_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+def reference(reference_losses) -> list[float]:
+    return reference_losses("tiny")  # make_config("", 1): no recompute
 
 
 def check(results: dict[str, list[float]], reference: list[float]) -> None:
@@ -126,6 +106,7 @@ def test_reference_loss_falls(reference):
     assert reference[-1] < reference[0] - 0.1
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(500)
 def test_layouts_world_2(reference, tmp_path):
     results = run_job(2, LAYOUTS_2, tmp_path)
@@ -133,6 +114,7 @@ def test_layouts_world_2(reference, tmp_path):
     check(results, reference)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(500)
 def test_layouts_world_4(reference, tmp_path):
     results = run_job(4, LAYOUTS_4, tmp_path)
@@ -158,6 +140,7 @@ def test_invalid_config_starts_no_process(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_failing_rank_ends_the_job_quickly(tmp_path):
     """Rank 1 raises at step 2 while rank 0 waits in a collective: the job must end within
@@ -179,6 +162,7 @@ def test_failing_rank_ends_the_job_quickly(tmp_path):
     assert any("rank 1: RuntimeError: injected failure" in line for line in lines)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_train_local_writes_the_run_directory(tmp_path):
     from workbench.launch.local import config_from_cli, train_local
@@ -202,6 +186,3 @@ def test_train_local_writes_the_run_directory(tmp_path):
     assert all(e["loss"] > 0 and e["tokens_per_s"] > 0 and e["grad_norm"] > 0 for e in steps)
     assert sum(line.startswith("step ") for line in lines) == 3
 
-
-if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
-    worker(sys.argv[2], sys.argv[3:])

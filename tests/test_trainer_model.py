@@ -194,6 +194,7 @@ def test_lr_schedule():
     assert lr_at(100, 1.0, 4, 100, 0.1) == pytest.approx(0.1)
 
 
+@pytest.mark.slow  # two tiny-moe runs in deterministic mode, in this process
 def test_deterministic_mode_repeats_bitwise():
     from workbench import Cluster, ParallelPlan, RunConfig, TrainSettings
     from workbench.trainer.train import run_training

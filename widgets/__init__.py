@@ -15,8 +15,10 @@ In a notebook::
     widgets.CompareView(state)              # 8. compare two runs, replay one
     widgets.BenchView(state)                # 9. measured bus bandwidth beside the planner's
 
-``widgets.create_app()`` composes them into one page; ``widgets.serve()`` serves it (one fresh
-state per browser session). Data transforms live in :mod:`widgets.transforms` (no UI imports).
+``widgets.create_app()`` composes them into one page and returns an :class:`App` (``.template``,
+the page; ``.state``, the PlanState behind it; ``.views``); ``widgets.serve()`` serves it (one
+fresh app per browser session). Data transforms live in :mod:`widgets.transforms` and
+:mod:`widgets.run_transforms` (no UI imports); reading run directories is :mod:`workbench.rundir`'s.
 """
 
 from widgets.advisor_view import AdvisorView
@@ -25,7 +27,7 @@ from widgets.compare_view import CompareView
 from widgets.launch_view import LaunchView
 from widgets.live_view import LiveView
 from widgets.run_session import RunSession, session_of
-from widgets.app import SECTIONS, create_app, extension, serve
+from widgets.app import SECTIONS, App, create_app, extension, serve
 from widgets.memory_view import MemoryView
 from widgets.mesh_view import MeshView
 from widgets.model_view import ModelSketch
@@ -34,6 +36,7 @@ from widgets.state import PlanState
 
 __all__ = [
     "AdvisorView",
+    "App",
     "BenchView",
     "CompareView",
     "LaunchView",

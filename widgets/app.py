@@ -1,8 +1,10 @@
 """The served workbench app: the planning views in one page, one fresh state per browser session.
 
-``create_app()`` builds the page (call it per session: ``pn.serve({"/": create_app})`` does);
-``serve()`` starts the server, on 127.0.0.1 unless told otherwise, and refuses any other address
-without authentication.
+``create_app()`` builds one session's :class:`App`: the page (``app.template``) together with
+the :class:`PlanState` behind it (``app.state``) and its views, all owned by the caller (the
+server builds one per browser session and serves its template: :func:`session_page`);
+``serve()`` starts the server, on 127.0.0.1 unless told otherwise, and refuses any other
+address without authentication.
 
 The page is a list of sections (:data:`SECTIONS`, one tab each): the planning views (1-5), the run
 views (6 launch, 7 live run, 8 compare runs; one :class:`~widgets.run_session.RunSession` per
@@ -12,9 +14,12 @@ Launched runs go under ``--runs`` (default ``$WORKBENCH_RUNS`` or ``./runs``).
 
 from __future__ import annotations
 
+import argparse
+import os
 import secrets
 import sys
 import socket
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import holoviews as hv
@@ -31,6 +36,7 @@ from widgets.memory_view import MemoryView
 from widgets.mesh_view import MeshView
 from widgets.model_view import ModelSketch
 from widgets.pipeline_view import PipelineView
+from widgets.run_session import session_of
 from widgets.state import PlanState
 from widgets.transforms import format_bytes, format_count, format_rate, format_seconds
 from widgets.ui import card, cards, html_pane
@@ -80,7 +86,20 @@ def summary_html(config: RunConfig | None, error: str, model_name: str) -> str:
     ])
 
 
-def create_app(state: PlanState | None = None) -> pn.template.FastListTemplate:
+@dataclass(frozen=True)
+class App:
+    """One session's page and what it is made of: ``template`` (the page to show or serve),
+    ``state`` (the :class:`PlanState` every view shares) and ``views`` (tab title -> view)."""
+
+    template: pn.template.FastListTemplate
+    state: PlanState
+    views: dict[str, pn.viewable.Viewer]
+
+    def __panel__(self) -> pn.template.FastListTemplate:
+        return self.template
+
+
+def create_app(state: PlanState | None = None) -> App:
     """A fresh page (and, unless given, a fresh :class:`PlanState`): one per browser session."""
     extension()
     state = state or PlanState()
@@ -101,13 +120,14 @@ def create_app(state: PlanState | None = None) -> pn.template.FastListTemplate:
         theme_toggle=False,
     )
     if pn.state.curdoc is not None and pn.state.curdoc.session_context is not None:
-        from widgets.run_session import session_of
-
         runs = session_of(state)  # the session's own runs end with it
         pn.state.curdoc.on_session_destroyed(lambda _ctx: runs.shutdown())
-    template.state = state  # type: ignore[attr-defined]  # for notebooks and tests
-    template.views = views  # type: ignore[attr-defined]
-    return template
+    return App(template, state, views)
+
+
+def session_page() -> pn.template.FastListTemplate:
+    """What the server shows a new browser session: a fresh :func:`create_app`'s page."""
+    return create_app().template
 
 
 def _origins(address: str, port: int) -> list[str]:
@@ -137,15 +157,13 @@ def serve(port: int = 5006, address: str = "127.0.0.1", show: bool = False, basi
         opts["cookie_secret"] = kwargs.pop("cookie_secret", None) or secrets.token_hex(32)
     opts.update(kwargs)
     return pn.serve(
-        {"/": create_app}, port=port, address=address, show=show, title="workbench",
+        {"/": session_page}, port=port, address=address, show=show, title="workbench",
         websocket_origin=_origins(address, port), **opts,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m widgets.app [--port N] [--address A] [--basic-auth PW] [--show]``."""
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m widgets.app", description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=5006)
     ap.add_argument("--address", default="127.0.0.1")
@@ -154,8 +172,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", default=None, help="where launched runs go (default $WORKBENCH_RUNS or ./runs)")
     a = ap.parse_args(argv)
     if a.runs:
-        import os
-
         os.environ["WORKBENCH_RUNS"] = a.runs  # read by every session's RunSession
     try:
         serve(port=a.port, address=a.address, show=a.show, basic_auth=a.basic_auth)

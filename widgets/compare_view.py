@@ -18,9 +18,10 @@ from bokeh.plotting import figure
 
 from workbench.rundir.compare import compare_run
 from workbench.rundir import read_events
+from workbench.rundir.tail import list_runs
 
 from widgets.run_session import RunSession, session_of
-from widgets.run_transforms import comparison_rows, list_runs, step_rows
+from widgets.run_transforms import comparison_rows, step_rows
 from widgets.state import PlanState
 from widgets.ui import html_pane, table
 

@@ -20,6 +20,7 @@ import panel as pn
 import param
 
 from workbench import ConfigError, ModelSpec, RunConfig
+from workbench.launch import launch
 from workbench.launch.local import config_from_cli
 from workbench.spec.trainable import check_trainable
 
@@ -159,8 +160,6 @@ class LaunchView(pn.viewable.Viewer):
         except ConfigError as err:
             self._fail(err)
             return
-        from workbench.launch import launch
-
         self._start.disabled = True
         self._message.object = '<div class="wb-muted" data-testid="launch-message">Starting the kernels…</div>'
         try:

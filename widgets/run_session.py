@@ -6,7 +6,7 @@ runs: a RunHandle lives here and nowhere global, so two sessions never see each 
 unless one deliberately opens the other's run directory.
 
 ``poll()`` is the one refresh: it reads the events appended since the last poll (an
-:class:`~widgets.run_transforms.EventTail` over the run directory) and the run's status, and
+:class:`~workbench.rundir.tail.EventTail` over the run directory) and the run's status, and
 hands both to every listener. The served app calls it from a periodic callback (every 0.5 s);
 tests and notebooks may call it directly.
 """
@@ -23,8 +23,8 @@ import param
 
 from workbench import RunConfig
 from workbench.rundir import load_run
+from workbench.rundir.tail import EventTail
 
-from widgets.run_transforms import EventTail
 from widgets.state import PlanState
 
 POLL_MS = 500

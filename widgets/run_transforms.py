@@ -1,15 +1,15 @@
 """Events -> plot data for the run views (launch, live run, compare runs, bandwidth). No UI imports.
 
-The live view calls these on each batch of *new* events (the :class:`EventTail` of a run
-directory reads only the bytes appended since the last call), so every function here is linear
-in the batch it is given, and the few that need the whole history (:class:`RunDigest`) keep a
-running summary instead of re-reading it. Units are those of the events (bytes, seconds, bytes/s).
+These only shape data; reading run directories is :mod:`workbench.rundir.tail`'s (the
+incremental tailer :class:`~workbench.rundir.tail.EventTail`, the run listing). The live view
+calls these on each batch of *new* events (the tailer reads only the bytes appended since the
+last call), so every function here is linear in the batch it is given, and the few that need
+the whole history (:class:`RunDigest`) keep a running summary instead of re-reading it. Units
+are those of the events (bytes, seconds, bytes/s).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -18,50 +18,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from workbench import RunConfig, estimate_memory
 from workbench.predict.comms import BUS_FACTOR, collective_time, group_shape
+from workbench.rundir.compare import Comparison, format_error, format_value
 
 Event = Mapping[str, Any]
 CURVES = ("loss", "tokens_per_s", "mfu", "grad_norm")
 MARK_KINDS = ("guard", "fault", "restart", "resume", "error", "checkpoint_rejected")
 MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer", "activations")
-
-
-# --------------------------------------------------------------------------- reading
-
-
-class EventTail:
-    """New events of a run directory, incrementally: per rank file, the byte offset read so far.
-
-    ``read()`` returns the complete lines appended since the previous call (a torn last line
-    waits for its newline), ordered by time. Reading is proportional to what was appended, so a
-    run of tens of thousands of events costs nothing per refresh once read."""
-
-    def __init__(self, run_dir: str | os.PathLike):
-        self.run_dir = Path(run_dir)
-        self._offsets: dict[Path, int] = {}
-        self.count = 0
-
-    def read(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for path in sorted((self.run_dir / "events").glob("rank-*.jsonl")):
-            offset = self._offsets.get(path, 0)
-            try:
-                if path.stat().st_size <= offset:
-                    continue
-                with open(path, "rb") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-            except OSError:
-                continue
-            end = chunk.rfind(b"\n") + 1  # only whole lines: the writer may be mid-line
-            for line in chunk[:end].splitlines():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-            self._offsets[path] = offset + end
-        out.sort(key=lambda e: (e.get("t", 0.0), e.get("rank", 0), e.get("seq", 0)))
-        self.count += len(out)
-        return out
 
 
 # --------------------------------------------------------------------------- curves
@@ -468,24 +430,14 @@ def _compact_memory(mem: list[Event]) -> list[Event]:
     return [peak[r] for r in peak] + [last[r] for r in last]
 
 
-# --------------------------------------------------------------------------- runs on disk, comparing, bandwidth
+# --------------------------------------------------------------------------- comparing, bandwidth
 
 
-def list_runs(runs_root: str | os.PathLike) -> list[str]:
-    """Run directories (holding a config.json) under ``runs_root``, newest first, as names."""
-    root = Path(runs_root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if (p / "config.json").is_file() and (p / "events").is_dir()]
-    return [p.name for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
-
-
-def comparison_rows(comparison: Any) -> list[dict[str, Any]]:
+def comparison_rows(comparison: Comparison) -> list[dict[str, Any]]:
     """A :class:`workbench.rundir.compare.Comparison` as rows with formatted numbers."""
-    from workbench.rundir.compare import _fmt, _fmt_error  # the CLI's formatting, so page and terminal agree
-
-    return [{"section": r.section, "name": r.name, "rank": r.rank, "predicted": _fmt(r.predicted, r.unit),
-             "measured": _fmt(r.measured, r.unit), "error": _fmt_error(r)} for r in comparison.rows]
+    # the CLI's formatters (Comparison.format), so the page and the terminal agree
+    return [{"section": r.section, "name": r.name, "rank": r.rank, "predicted": format_value(r.predicted, r.unit),
+             "measured": format_value(r.measured, r.unit), "error": format_error(r)} for r in comparison.rows]
 
 
 def bandwidth_series(results: Any) -> list[dict[str, Any]]:

@@ -31,8 +31,9 @@ from workbench import (
     ModelSpec,
     ParallelPlan,
     RunConfig,
-    TrainSettings,
 )
+from workbench.spec.config import build_run_config
+from workbench.spec.errors import check_int
 from workbench.predict.comms import link_traffic, traffic_by_dim
 from workbench.predict.memory import COMPONENTS, MemoryBill
 
@@ -254,10 +255,8 @@ def build_config(
     if model is None:
         return Checked(None, "the model sketch has an error: fix it first", "model")
     try:
-        c = Cluster.preset(cluster, nodes=nodes)
-        p = ParallelPlan(**plan)
-        t = TrainSettings(**train).with_precision(precision)
-        return Checked(RunConfig(model, c, p, t))
+        check_int("nodes", nodes)  # the app's box is required: emptied is an error, not "1 node" as on the CLI
+        return Checked(build_run_config(model, cluster=cluster, nodes=nodes, plan=plan, precision=precision, **train))
     except ConfigError as err:
         return Checked.failed(err)
     except TypeError as err:  # a None from an emptied number box

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import click
 
 from workbench.spec.cluster import GPUS, Cluster
-from workbench.spec.config import PRECISIONS, RunConfig, TrainSettings
+from workbench.spec.config import PRECISIONS, RunConfig, TrainSettings, build_cluster, build_model, build_run_config
 from workbench.spec.errors import ConfigError
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
@@ -30,10 +30,7 @@ from workbench.launch.local import config_from_cli, resume_local, train_local
 from workbench.bench import calibration_report, format_fit, run_compute_benchmark
 
 GiB = float(1 << 30)
-APP_MODULE = "widgets.app"  # `workbench serve` runs `python -m widgets.app`
-# The cluster preset each GPU name comes in.
-GPU_CLUSTERS = {"h100-80gb": "dgx-h100", "h200-141gb": "dgx-h200", "a100-80gb": "dgx-a100",
-                "l40s-48gb": "pcie-l40s", "cpu": "local-cpu"}
+APP_MODULE = "widgets"  # `workbench serve` runs `python -m widgets` (widgets/__main__.py)
 
 
 class WorkbenchGroup(click.Group):
@@ -108,67 +105,30 @@ def train_options(f: Callable) -> Callable:
     return f
 
 
-def build_model(model: str, hf_config: str | None) -> ModelSpec:
-    return ModelSpec.from_hf_config(hf_config) if hf_config else ModelSpec.preset(model)
+def _split(kw: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    return {n: kw.pop(n) for n in names}
 
 
-def build_cluster(cluster_name: str | None, gpu: str | None, gpus: int | None, nodes: int | None) -> Cluster:
-    if cluster_name and gpu:
-        raise ConfigError("give --cluster or --gpu, not both", field="gpu", value=gpu)
-    if cluster_name and cluster_name.endswith(".json"):
-        with open(cluster_name) as f:
-            base = Cluster.from_json(f.read())
-    else:
-        if gpu is not None and gpu not in GPU_CLUSTERS:
-            raise ConfigError(f"gpu={gpu!r} is not one of {', '.join(GPU_CLUSTERS)}", field="gpu", value=gpu)
-        name = cluster_name or GPU_CLUSTERS[gpu or "h100-80gb"]
-        base = Cluster.preset(name)
-    per_node = base.gpus_per_node
-    if gpus is not None:
-        if gpus < 1:
-            raise ConfigError(f"gpus={gpus} must be >= 1", field="gpus", value=gpus)
-        if nodes is not None and nodes * per_node != gpus and not (nodes == 1 and gpus < per_node):
-            raise ConfigError(f"gpus={gpus} differs from nodes x GPUs per node = {nodes} x {per_node}", field="gpus", value=gpus)
-        if gpus < per_node:
-            return Cluster(**{**base.__dict__, "nodes": 1, "gpus_per_node": gpus})
-        if gpus % per_node:
-            raise ConfigError(f"gpus={gpus} is not a multiple of {per_node} GPUs per node of {base.name}", field="gpus", value=gpus)
-        nodes = gpus // per_node
-    return Cluster(**{**base.__dict__, "nodes": nodes or 1})
-
-
-def build_plan(plan_text: str | None, **degrees: Any) -> ParallelPlan:
-    if plan_text:
-        return ParallelPlan.parse(plan_text, zero_stage=degrees["zero_stage"])
-    return ParallelPlan(
-        dp_replicate=degrees["dp_replicate"], dp_shard=degrees["dp_shard"], tp=degrees["tp"], pp=degrees["pp"],
-        cp=degrees["cp"], ep=degrees["ep"], zero_stage=degrees["zero_stage"], pp_schedule=degrees["schedule"],
-        virtual_stages=degrees["virtual_stages"], sequence_parallel=degrees["sequence_parallel"],
-        loss_parallel=degrees["loss_parallel"],
-    )
+DEGREE_KEYS = ("tp", "pp", "cp", "ep", "dp_replicate", "dp_shard", "zero_stage", "schedule",
+               "virtual_stages", "sequence_parallel", "loss_parallel")
+TRAIN_KEYS = ("seq_len", "micro_batch_size", "global_batch_size", "recompute", "attention",
+              "optimizer", "dropout")
 
 
 def build_train(precision: str, **kw: Any) -> TrainSettings:
     return TrainSettings(**kw).with_precision(precision)
 
 
-def _split(kw: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
-    return {n: kw.pop(n) for n in names}
-
-
-PLAN_KEYS = ("plan_text", "tp", "pp", "cp", "ep", "dp_replicate", "dp_shard", "zero_stage", "schedule",
-             "virtual_stages", "sequence_parallel", "loss_parallel")
-TRAIN_KEYS = ("seq_len", "micro_batch_size", "global_batch_size", "recompute", "attention", "precision",
-              "optimizer", "dropout")
-CLUSTER_KEYS = ("cluster_name", "gpu", "gpus", "nodes")
-
-
 def build_config(kw: dict[str, Any]) -> RunConfig:
-    model = build_model(kw.pop("model"), kw.pop("hf_config"))
-    cluster = build_cluster(**_split(kw, CLUSTER_KEYS))
-    plan = build_plan(**_split(kw, PLAN_KEYS))
-    train = build_train(**_split(kw, TRAIN_KEYS))
-    return RunConfig(model=model, cluster=cluster, plan=plan, train=train)
+    """The options of ``memory``-style commands -> RunConfig (by :func:`build_run_config`). A plan
+    given as text (``--plan``) takes only ``--zero`` from the degree options."""
+    degrees = _split(kw, DEGREE_KEYS)
+    plan_text = kw.pop("plan_text")
+    plan = plan_text if plan_text else degrees
+    return build_run_config(kw.pop("model"), hf_config=kw.pop("hf_config"), cluster=kw.pop("cluster_name"),
+                            gpu=kw.pop("gpu"), gpus=kw.pop("gpus"), nodes=kw.pop("nodes"), plan=plan,
+                            plan_defaults={"zero_stage": degrees["zero_stage"]} if plan_text else None,
+                            precision=kw.pop("precision"), **_split(kw, TRAIN_KEYS))
 
 
 # ---------------------------------------------------------------------------- memory
@@ -231,12 +191,14 @@ def format_bill(config: RunConfig, bill: Any) -> str:
               help="Interface to bind; anything but loopback requires --basic-auth.")
 @click.option("--basic-auth", default=None, help="A password, or a JSON file of {user: password}.")
 @click.option("--show", is_flag=True, default=False, help="Open a browser tab.")
-def serve(port: int, address: str, basic_auth: str | None, show: bool) -> None:
+@click.option("--runs", "run_root", default=None, help="Where launched runs go (default $WORKBENCH_RUNS or ./runs).")
+def serve(port: int, address: str, basic_auth: str | None, show: bool, run_root: str | None) -> None:
     """Serve the workbench app (local-cpu cluster, tiny model, local kernels by default)."""
     click.echo(f"workbench app on http://{address}:{port}/ (Ctrl-C stops it)", err=True)
     # The UI is the top layer: the command starts it by module name and imports none of it.
     argv = [sys.executable, "-m", APP_MODULE, "--port", str(port), "--address", address]
     argv += (["--basic-auth", basic_auth] if basic_auth else []) + (["--show"] if show else [])
+    argv += ["--runs", run_root] if run_root else []
     sys.stdout.flush()
     os.execv(sys.executable, argv)
 
@@ -361,7 +323,7 @@ def _cluster_only_options(f: Callable) -> Callable:
 
 
 def load_cluster(cluster_name: str, nodes: int) -> Cluster:
-    return build_cluster(cluster_name, None, None, nodes)
+    return build_cluster(cluster_name, nodes=nodes)
 
 
 @main.command()

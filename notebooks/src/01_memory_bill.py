@@ -13,7 +13,7 @@
 # 4. **the whole bill** of Llama 3 70B on 64 H100s, per pipeline rank;
 # 5. **what fits**, and what to change when it does not.
 #
-# Everything is computed by `workbench` (`workbench/memory.py`); bytes are bytes, GB are 10⁹ bytes
+# Everything is computed by `workbench` (`workbench/predict/memory.py`); bytes are bytes, GB are 10⁹ bytes
 # (as the ZeRO paper counts) and GiB 2³⁰ (as `nvidia-smi` and the 80 GiB of an H100 count).
 
 # %%

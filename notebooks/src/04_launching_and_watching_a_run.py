@@ -10,12 +10,12 @@
 #
 # | step | API | where |
 # |---|---|---|
-# | describe the job | `RunConfig` (model, cluster, plan, settings) | `workbench/config.py` |
+# | describe the job | `RunConfig` (model, cluster, plan, settings) | `workbench/spec/config.py` |
 # | start it | `workbench.launch(config, backend="local")` → a `RunHandle` | `workbench/launch/handle.py` |
 # | each node | a Jupyter kernel running an agent that starts `torchrun` | `workbench/launch/agent.py` |
 # | each rank | `python -m workbench.launch.worker` → the trainer | `workbench/trainer/train.py` |
-# | what it says | one JSON line per event in `events/rank-<r>.jsonl` | `workbench/telemetry/events.py` |
-# | predicted vs measured | `workbench.rundir.compare.compare_run(run_dir)` | `workbench/compare.py` |
+# | what it says | one JSON line per event in `events/rank-<r>.jsonl` | `workbench/rundir/events.py` |
+# | predicted vs measured | `workbench.rundir.compare.compare_run(run_dir)` | `workbench/rundir/compare.py` |
 #
 # Everything runs on two CPU processes with a tiny model, so the run takes seconds.
 
@@ -117,7 +117,7 @@ assert counts["run_start"] == counts["run_end"] == config.world_size
 #
 # Every event carries `kind`, `rank`, `seq` (a per-rank counter from 0, so a reader can tell a
 # missing line), `t` (wall-clock seconds) and `step` where it applies; each kind is a frozen
-# dataclass in `workbench/telemetry/events.py`, the one place the schema lives. Readers keep fields
+# dataclass in `workbench/rundir/events.py`, the one place the schema lives. Readers keep fields
 # they do not know and skip a torn last line (a writer mid-write); writers never drop an event
 # silently. Because the files are the truth, a driver that disconnects can reattach with
 # `workbench.open_run(path)` and continue from what they hold.

@@ -15,10 +15,11 @@
 #
 # The bundled trainer saves with `torch.distributed.checkpoint` (DCP): every rank writes its own
 # shards, and the metadata records which slice of each *unsplit* tensor each file holds, so any
-# other layout can read back its own slices (`workbench/trainer/checkpoint.py`). We check each
-# promise on a real two-process job, then run a **recovery drill** (a rank SIGKILLs itself, torchrun
-# restarts the job, which resumes by itself) and finish with **how often** to checkpoint (Young 1974;
-# Daly 2006).
+# other layout can read back its own slices (`workbench/trainer/checkpoint.py`); the directories
+# around the shards are listed and verified without torch (`workbench.rundir.checkpoints`). We check
+# each promise on a real two-process job, then run a **recovery drill** (a rank SIGKILLs itself,
+# torchrun restarts the job, which resumes by itself) and finish with **how often** to checkpoint
+# (Young 1974; Daly 2006).
 
 # %%
 import json
@@ -36,7 +37,7 @@ from workbench.predict.cost import checkpoint_bytes, optimal_checkpoint_interval
 from workbench.launch.local import config_from_cli, resume_local, train_local
 from workbench.rundir import create_run_dir
 from workbench.rundir.events import read_events
-from workbench.trainer.checkpoint import list_checkpoints, verify_checkpoint
+from workbench.rundir.checkpoints import list_checkpoints, verify_checkpoint
 from workbench.trainer.transformer import build_model
 
 hv.extension("bokeh", logo=False)
@@ -114,7 +115,7 @@ pd.DataFrame([{k: e[k] for k in ("rank", "step", "phase", "bytes", "duration_s",
               if e["step"] == EVERY])
 
 # %%
-assert verify_checkpoint(step3) is None  # marker, hashes, sizes, DCP metadata, every SHA-256
+assert verify_checkpoint(step3) is None  # marker, hashes, sizes, every SHA-256 (the trainer also loads .metadata)
 names = {p.name for p in step3.iterdir()}
 assert names == {".metadata", "COMMITTED", "hashes.json", "meta.json", "__0_0.distcp", "__1_0.distcp"}
 assert set(json.loads((step3 / "hashes.json").read_text())) == names - {"COMMITTED", "hashes.json"}

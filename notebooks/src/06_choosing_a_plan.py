@@ -189,7 +189,7 @@ ep_table.round(3)
 # published runs: Megatron-Core's GPT rows on H100 (NVIDIA's Megatron-Core performance table) and
 # Korthikanti et al.'s 22B GPT on 8 A100s. The model is physical (GEMM and attention efficiencies,
 # HBM traffic, alpha-beta collectives, simulated pipelines; constants documented in
-# `workbench/perf.py`), not fitted per row; it lands within 5 MFU points of each.
+# `workbench/predict/perf.py`), not fitted per row; it lands within 5 MFU points of each.
 
 # %%
 ref_rows = []

@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from workbench.rundir.analysis import percentile
 from workbench.rundir.record import workbench_version
 from workbench.rundir.benchmarks import BenchSpec, CommsResults, CommsRow, save_results
 
@@ -289,15 +290,6 @@ def time_series(op: str, gs: GroupSet, ctx: Context, fused_rs: bool) -> list[Com
         rows.append(CommsRow(gs.dim, op, gs.size, gs.tier, size, req, len(ts), k, min(ts), percentile(ts, 50),
                              percentile(ts, 95)))
     return rows
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
-    v = sorted(values)
-    pos = (len(v) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
 def versions(backend: str) -> dict:

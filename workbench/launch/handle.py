@@ -1,4 +1,5 @@
-"""The :class:`RunHandle` handle: a training job whose nodes are Jupyter kernels.
+"""The :class:`RunHandle`: a live training job you control, whose nodes are Jupyter kernels
+(a run directory on disk, read back, is a :class:`~workbench.rundir.record.RunRecord`).
 
 ``launch(config, backend=...)`` makes the run directory, starts one kernel per node (the node's
 agent, ``agent.py``), starts torchrun on every node against one c10d rendezvous, and returns a
@@ -35,7 +36,9 @@ from workbench.rundir.events import read_events
 from workbench.rundir.record import create_run_dir, load_run
 from workbench.spec.trainable import check_trainable
 from workbench.launch.agent import MARKER
-from workbench.launch.kernels import KernelChannel, KernelError, bootstrap_code
+from workbench.launch.gateway import GatewayBackend
+from workbench.launch.kernels import KernelChannel, KernelError, LocalBackend, bootstrap_code
+from workbench.launch.ssh import SSHBackend
 
 BACKENDS = ("local", "ssh", "gateway")
 STATES = ("starting", "running", "finished", "failed", "stopped")
@@ -104,7 +107,6 @@ class _Node:
     pid: int | None = None
     cursors: dict[int, int] = field(default_factory=dict)  # the agent's next seq per rank
     started_at: float = 0.0
-    held: bool = False
     last_rewind: float = 0.0
     last_seen: float = 0.0  # time of the agent's last status (a dead kernel died after it)
     failed_at: float = 0.0
@@ -127,17 +129,11 @@ def make_backend(name: str, config: RunConfig, **options: Any):
     """The backend object for ``name`` (``local``, ``ssh``, ``gateway``) and its options."""
     check_choice("backend", name, BACKENDS)
     if name == "local":
-        from workbench.launch.kernels import LocalBackend
-
         return LocalBackend(**options)
     if name == "ssh":
-        from workbench.launch.ssh import SSHBackend
-
         if not options.get("hosts") and not options.get("hosts_file") and getattr(config.cluster, "hosts", None):
             options["hosts"] = list(config.cluster.hosts)  # a Cluster that names its hosts
         return SSHBackend(config.cluster.nodes, **options)
-    from workbench.launch.gateway import GatewayBackend
-
     return GatewayBackend(**options)
 
 
@@ -317,9 +313,6 @@ class RunHandle:
 
         def start(node: _Node) -> None:
             node.state, node.why, node.started_at, node.pid = "starting", "waiting for the rendezvous", 0.0, None
-            if node.held:
-                node.why = "held: torchrun not started (test hook)"
-                return
             spec = dict(run_dir=node.run_dir, config_json=self.config.to_json(), nnodes=len(self.nodes),
                         nproc=self.nproc, node_rank=node.index, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
                         # torchrun's own limit comes later: the driver's verdict names the node that is missing.
@@ -425,7 +418,7 @@ class RunHandle:
             state = data.get("state")
             if int(data.get("attempt", self.attempt)) < self.attempt:
                 return  # a late word about the previous attempt
-            if node.held or state == "idle" or node.state == "failed" and state != "failed":
+            if state == "idle" or node.state == "failed" and state != "failed":
                 return  # a driver-side verdict (kernel died, never joined) stands
             if state in STATES:
                 if state == "failed" and node.state != "failed":
@@ -482,7 +475,7 @@ class RunHandle:
 
     def _check_liveness(self) -> None:
         for node in self.nodes:
-            if node.channel is None or node.state in ("finished",) or node.held and node.state == "failed":
+            if node.channel is None or node.state in ("finished",):
                 continue
             try:
                 alive = node.channel.alive()
@@ -504,9 +497,9 @@ class RunHandle:
             late = [n for n in self.nodes if n.state == "starting" and n.started_at
                     and now - n.started_at > self.join_timeout_s]
             if late:
-                # Blame the nodes whose torchrun is not there to wait (held, never started); when
+                # Blame the nodes whose torchrun is not there to wait (no pid: never started); when
                 # every late node is waiting, none can be told apart: all of them failed to meet.
-                absent = [n for n in late if n.held or n.pid is None]
+                absent = [n for n in late if n.pid is None]
                 for node in absent or late:
                     node.state, node.failed_at = "failed", node.started_at + self.join_timeout_s
                     node.why = f"did not join the rendezvous within {self.join_timeout_s:g} s"
@@ -524,9 +517,6 @@ class RunHandle:
                 return
             self._apply_status(node, self._call(node, "stop", timeout_s, why, timeout_s=timeout_s + 30))
 
-        for node in nodes:
-            if node.held and node.state == "starting":
-                node.state, node.why = "stopped", why
         self._each(stop, nodes)
 
     def _load_history(self) -> None:
@@ -635,31 +625,26 @@ def append_once(path: Path, event: dict[str, Any]) -> bool:
 
 def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.PathLike = "runs",
            run_id: str | None = None, env: dict[str, str] | None = None, join_timeout_s: float = 120.0,
-           max_restarts: int = 0, stop_timeout_s: float = 10.0, hold: tuple[int, ...] = (),
-           program: list[str] | None = None, files: dict[str, str] | None = None,
-           **backend_options: Any) -> RunHandle:
+           max_restarts: int = 0, stop_timeout_s: float = 10.0, program: list[str] | None = None,
+           files: dict[str, str] | None = None, **backend_options: Any) -> RunHandle:
     """Start ``config`` on ``config.cluster.nodes`` kernels and return its :class:`RunHandle`.
 
     ``backend``: "local" (kernels on this machine), "ssh" (``hosts=[...]`` or ``hosts_file=``,
     key authentication), "gateway" (``url=``, ``token=``). ``env``: extra environment of every
-    rank. ``join_timeout_s``: how long the nodes may take to meet at the rendezvous.
-    ``hold``: nodes whose kernel starts but whose torchrun does not (to test a node that never
-    joins). ``program`` / ``files``: run another program of the worker than the trainer (the
-    cluster benchmark: ``["--bench", "{run_dir}/bench.json"]`` with ``files={"bench.json": ...}``);
-    ``config`` then only sizes the job. Raises :class:`ConfigError` before anything starts when the
-    trainer cannot run the config or an option is wrong."""
+    rank. ``join_timeout_s``: how long the nodes may take to meet at the rendezvous (a node still
+    missing then is named as the failure). ``program`` / ``files``: run another program of the
+    worker than the trainer (the cluster benchmark: ``["--bench", "{run_dir}/bench.json"]`` with
+    ``files={"bench.json": ...}``); ``config`` then only sizes the job. Raises :class:`ConfigError`
+    before anything starts when the trainer cannot run the config or an option is wrong."""
     if program is None:
         check_trainable(config)
     if config.cluster.nodes * config.cluster.gpus_per_node != config.world_size:
         raise ConfigError(f"nodes x gpus_per_node = {config.cluster.nodes} x {config.cluster.gpus_per_node} "
                           f"!= world size {config.world_size}", field="cluster.nodes", value=config.cluster.nodes)
-    for i in hold:
-        if not 0 < int(i) < config.cluster.nodes:
-            raise ConfigError(f"hold={i}: only nodes 1..{config.cluster.nodes - 1} can be held", field="hold", value=i)
     be = make_backend(backend, config, **backend_options)
     path = create_run_dir(config, run_root, run_id)
     addrs = be.node_addresses(config.cluster.nodes)
-    nodes = [_Node(i, addrs[i], be.run_dir_of(path, i), held=i in hold) for i in range(config.cluster.nodes)]
+    nodes = [_Node(i, addrs[i], be.run_dir_of(path, i)) for i in range(config.cluster.nodes)]
     run = RunHandle(path, config, be, nodes, env=env, join_timeout_s=join_timeout_s, max_restarts=max_restarts,
               stop_timeout_s=stop_timeout_s, program=program, files=files)
     errors = run._each(run._start_kernel, nodes)

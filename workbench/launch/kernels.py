@@ -270,7 +270,7 @@ class LocalBackend:
             raise
 
     def reconnect(self, run_dir: Path, description: dict[str, Any]) -> ZmqChannel:
-        """The node's kernel again, from its connection file (kernels outlive a closed Run, not
+        """The node's kernel again, from its connection file (kernels outlive a closed RunHandle, not
         the process that started them)."""
         path = description["connection_file"]
         km = _LOCAL_KERNELS.get(path)

@@ -14,10 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from workbench.spec.cluster import Cluster
-from workbench.spec.config import RunConfig, TrainSettings
-from workbench.spec.model import ModelSpec
-from workbench.spec.plan import ParallelPlan
+from workbench.spec.config import RunConfig, build_run_config
 from workbench.rundir.events import next_seq, read_events
 from workbench.rundir.record import create_run_dir
 from workbench.spec.trainable import check_trainable
@@ -26,22 +23,17 @@ POLL_S = 0.2
 
 
 def config_from_cli(model: str, plan: str, steps: int, **train_overrides: Any) -> RunConfig:
-    """A RunConfig for the local CPU trainer: ``model`` preset, ``plan`` text
+    """A RunConfig for the bundled trainer on this machine's CPUs: the defaults of a CPU run, built
+    by :func:`~workbench.spec.config.build_run_config`. ``model`` preset, ``plan`` text
     (``"dp_shard=2,tp=2"``; an unset dp_shard is 1), ``steps``; one "node" per 2 ranks; the world
     size is the product of the plan's degrees.
     Defaults: seq_len 64, micro_batch_size 2, fp32; ``train_overrides`` replace any of them
     (``precision="bf16"`` picks a precision preset)."""
-    spec = ModelSpec.preset(model)
-    parsed = ParallelPlan.parse(plan or "", dp_shard=1)
-    world = parsed.pp * parsed.dp_replicate * parsed.dp_shard * parsed.cp * parsed.tp
-    # Two ranks per "node" (an odd world size is one node holding them all).
-    per_node = 2 if world % 2 == 0 else world
-    cluster = Cluster.preset("local-cpu", nodes=world // per_node, gpus_per_node=per_node)
     precision = train_overrides.pop("precision", "fp32")
     fields = dict(seq_len=64, micro_batch_size=2, steps=steps, warmup_steps=min(10, max(steps // 10, 1)))
     fields.update(train_overrides)
-    train = TrainSettings(**fields).with_precision(precision)
-    return RunConfig(spec, cluster, parsed, train)
+    return build_run_config(model, cluster="local-cpu", plan=plan or "", plan_defaults={"dp_shard": 1},
+                            size_from_plan=True, precision=precision, **fields)
 
 
 def format_step(event: dict[str, Any], total: int) -> str:

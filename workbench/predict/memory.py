@@ -239,7 +239,7 @@ def activation_bytes_per_layer(
     Norm statistics (a few floats per token) are neglected, as in the paper.
 
     ``bundled=True`` adds what the bundled trainer (torch TP, its own ring attention) keeps beyond
-    the paper's accounting, as measured by its saved-tensor hooks (workbench/trainer/instrument.py):
+    the paper's accounting, as measured by its saved-tensor hooks (workbench/trainer/memory_meter.py):
     under sequence parallelism torch's ``PrepareModuleInput`` + ``ColwiseParallel`` keep the
     all-gathered, full-sequence input of the QKV and MLP linears (Megatron keeps its 1/t shard
     and all-gathers again in backward, Korthikanti section 4.2.2); the context-parallel ring keeps

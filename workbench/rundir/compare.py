@@ -14,7 +14,8 @@ relative error ``(measured - predicted) / predicted``:
   ranks when dp_shard = 1) compares once;
 * the step time and its breakdown.
 
-``workbench compare runs/<id>`` prints :meth:`Comparison.format`; the UI reads :attr:`rows`.
+``workbench compare runs/<id>`` prints :meth:`Comparison.format`; the UI reads :attr:`rows` and
+shows them with the same formatters (:func:`format_value`, :func:`format_error`).
 No torch here.
 """
 
@@ -24,7 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.predict.comms import EXPERT_DIMS, group_members, step_collectives
+from workbench.predict.comms import EXPERT_DIMS, group_members, p2p_time, step_collectives
 from workbench.spec.config import RunConfig
 from workbench.predict.memory import estimate_memory
 from workbench.predict.perf import predict_step
@@ -93,15 +94,18 @@ class Comparison:
                 lines += ["", f"{current}" + (f" (rank {r.rank})" if r.rank is not None and current == "memory" else ""),
                           header]
             name = r.name if r.rank is None or current == "memory" else f"{r.name} [rank {r.rank}]"
-            lines.append(f"  {name:<44} {_fmt(r.predicted, r.unit):>14} {_fmt(r.measured, r.unit):>14} "
-                         f"{_fmt_error(r):>9}")
+            lines.append(f"  {name:<44} {format_value(r.predicted, r.unit):>14} {format_value(r.measured, r.unit):>14} "
+                         f"{format_error(r):>9}")
         if self.notes:
             lines.append("")
             lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
-def _fmt(x: float | None, unit: str) -> str:
+def format_value(x: float | None, unit: str) -> str:
+    """One predicted or measured value as :meth:`Comparison.format` and the UI's compare table show
+    it: bytes ("B") in B/KiB/MiB/GiB, seconds ("s") in ms, fractions to three places, counts
+    with thousands separators; "-" when missing."""
     if x is None:
         return "-"
     if unit == "B":
@@ -116,7 +120,9 @@ def _fmt(x: float | None, unit: str) -> str:
     return f"{x:,.1f}" if x != int(x) else f"{int(x):,}"
 
 
-def _fmt_error(r: Row) -> str:
+def format_error(r: Row) -> str:
+    """A row's :attr:`Row.error` as shown beside it: percent ("+12.5%"), points for fractions
+    ("+5.0 pt"), "new" when nothing was predicted but something was measured, "-" when missing."""
     e = r.error
     if e is None:
         return "-"
@@ -198,8 +204,6 @@ def compare_run(run_dir: str | os.PathLike) -> Comparison:
     prediction = predict_step(config)
     if plan.pp > 1:
         m = config.n_microbatches
-        from workbench.predict.comms import p2p_time
-
         planned = simulate_schedule(plan.pp_schedule, plan.pp, m, plan.virtual_stages,
                                     stage_times=prediction.stage_times_s, p2p_time=p2p_time(config))
         measured_bubble = analysis.bubble_fraction(events)

@@ -84,7 +84,7 @@ class Error:
 
 
 # ---------------------------------------------------------------------------- instrumentation
-# Kinds written by workbench/trainer/instrument.py. Calls and actions are batched: one event per
+# Kinds written by the trainer's measurements (workbench/trainer/instrument.py and its meters). Calls and actions are batched: one event per
 # rank per step holds a list, so a step with hundreds of collectives writes one line, not hundreds
 # (each line is flushed: per-call lines would cost more than the calls on a small model).
 

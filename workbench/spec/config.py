@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields, replace
+import os
+from pathlib import Path
 from typing import Any, Mapping
 
 from workbench.spec.cluster import Cluster
 from workbench.spec.errors import ConfigError, check_choice, check_int, check_positive, require
 from workbench.spec.model import ModelSpec
-from workbench.spec.plan import ParallelPlan
+from workbench.spec.plan import PLAN_ALIASES, ParallelPlan
 from workbench.spec.schedules import check_schedule
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -86,7 +88,7 @@ class TrainSettings:
     checkpoint_keep: int = 3  # keep the last k committed checkpoints
     moe_aux_loss_coeff: float = 0.01
     moe_capacity_factor: float = 0.0  # 0: dropless
-    # Instrumentation and guards (workbench/trainer/instrument.py). A fired guard stops the run
+    # Instrumentation and guards (workbench/trainer/instrument.py, guards.py). A fired guard stops the run
     # cleanly after that step (final checkpoint when checkpointing is on) with a "guard" event.
     instrument: bool = True  # measure collectives, pipeline actions, memory (env WORKBENCH_INSTRUMENT=0: off)
     guard_nonfinite: bool = True  # stop on a non-finite loss or gradient norm
@@ -247,6 +249,88 @@ class RunConfig:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             f.write(self.to_json())
+
+
+# ---------------------------------------------------------------------------- from loose values
+# The cluster preset each GPU name comes in (``--gpu h200-141gb`` is a DGX H200 node).
+GPU_CLUSTERS = {"h100-80gb": "dgx-h100", "h200-141gb": "dgx-h200", "a100-80gb": "dgx-a100",
+                "l40s-48gb": "pcie-l40s", "cpu": "local-cpu"}
+
+
+def build_model(model: str | ModelSpec = "llama3-8b", hf_config: str | os.PathLike | Mapping[str, Any] | None = None
+                ) -> ModelSpec:
+    """A ModelSpec from a preset name, a Hugging Face ``config.json`` (path or dict), or as given."""
+    if hf_config is not None:
+        return ModelSpec.from_hf_config(hf_config)
+    return model if isinstance(model, ModelSpec) else ModelSpec.preset(model)
+
+
+def build_cluster(cluster: str | Cluster | None = None, gpu: str | None = None, gpus: int | None = None,
+                  nodes: int | None = None) -> Cluster:
+    """A Cluster from a preset name, a cluster JSON file (``*.json``) or a GPU name, sized by
+    ``gpus`` (total) or ``nodes``. Fewer GPUs than a node holds make one partial node."""
+    if cluster is not None and gpu is not None:
+        raise ConfigError("give a cluster or a gpu, not both", field="gpu", value=gpu)
+    if isinstance(cluster, Cluster):
+        base = cluster
+    elif cluster and str(cluster).endswith(".json"):
+        base = Cluster.from_json(Path(cluster).read_text())
+    else:
+        if gpu is not None and gpu not in GPU_CLUSTERS:
+            raise ConfigError(f"gpu={gpu!r} is not one of {', '.join(GPU_CLUSTERS)}", field="gpu", value=gpu)
+        base = Cluster.preset(cluster or GPU_CLUSTERS[gpu or "h100-80gb"])
+    per_node = base.gpus_per_node
+    if gpus is not None:
+        check_int("gpus", gpus)
+        if nodes is not None and nodes * per_node != gpus and not (nodes == 1 and gpus < per_node):
+            raise ConfigError(f"gpus={gpus} differs from nodes x GPUs per node = {nodes} x {per_node}",
+                              field="gpus", value=gpus)
+        if gpus < per_node:
+            return replace(base, nodes=1, gpus_per_node=gpus)
+        if gpus % per_node:
+            raise ConfigError(f"gpus={gpus} is not a multiple of {per_node} GPUs per node of {base.name}",
+                              field="gpus", value=gpus)
+        nodes = gpus // per_node
+    return replace(base, nodes=nodes or 1)
+
+
+def build_plan(plan: str | Mapping[str, Any] | ParallelPlan | None = None, **defaults: Any) -> ParallelPlan:
+    """A ParallelPlan from text (``"tp=8,pp=4"``), a mapping of fields (short names allowed:
+    ``schedule``, ``zero``, ``v``, ``dp``), or as given; ``defaults`` fill the fields not named."""
+    if isinstance(plan, ParallelPlan):
+        return plan
+    if isinstance(plan, str):
+        return ParallelPlan.parse(plan, **defaults)
+    fields_ = {PLAN_ALIASES.get(k, k): v for k, v in {**defaults, **dict(plan or {})}.items()}
+    return ParallelPlan(**fields_)
+
+
+def build_run_config(model: str | ModelSpec = "llama3-8b", *, hf_config: Any = None,
+                     cluster: str | Cluster | None = None, gpu: str | None = None, gpus: int | None = None,
+                     nodes: int | None = None, plan: str | Mapping[str, Any] | ParallelPlan | None = None,
+                     plan_defaults: Mapping[str, Any] | None = None, size_from_plan: bool = False,
+                     precision: str | None = None, **train: Any) -> RunConfig:
+    """The one way loose values (CLI options, launcher arguments, the app's fields) become a
+    validated RunConfig. Raises :class:`ConfigError` naming the field.
+
+    ``train`` holds TrainSettings fields and ``precision`` a recipe of :data:`PRECISIONS` (None: the
+    fields as given). ``size_from_plan``: with neither ``gpus`` nor ``nodes``, the cluster gets as
+    many GPUs as the plan's degrees multiply to (its dp_shard must then be explicit), in whole nodes
+    or, when they do not fill whole nodes, one node holding them all.
+    """
+    spec = build_model(model, hf_config)
+    parsed = build_plan(plan, **dict(plan_defaults or {}))
+    if size_from_plan and gpus is None and nodes is None:
+        require(parsed.dp_shard > 0, "sizing the cluster from the plan needs an explicit dp_shard",
+                field="dp_shard", value=parsed.dp_shard)
+        world = parsed.pp * parsed.dp_replicate * parsed.dp_shard * parsed.cp * parsed.tp
+        base = build_cluster(cluster, gpu)
+        per_node = base.gpus_per_node if world % base.gpus_per_node == 0 else world
+        machines = replace(base, nodes=world // per_node, gpus_per_node=per_node)
+    else:
+        machines = build_cluster(cluster, gpu, gpus, nodes)
+    settings = TrainSettings(**train)
+    return RunConfig(spec, machines, parsed, settings.with_precision(precision) if precision else settings)
 
 
 def validate_plan(plan: ParallelPlan, model: ModelSpec, cluster: Cluster, train: "TrainSettings") -> ParallelPlan:

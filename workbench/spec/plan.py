@@ -31,6 +31,8 @@ COMPOSITE_DIMS: dict[str, tuple[str, ...]] = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 GROUP_DIMS = MESH_DIMS + ("ep",) + tuple(COMPOSITE_DIMS)
+# Short names a plan may be written with ("tp=8,pp=4,schedule=gpipe,zero=1") and the fields they set.
+PLAN_ALIASES = {"dp": "dp_shard", "schedule": "pp_schedule", "v": "virtual_stages", "zero": "zero_stage"}
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class ParallelPlan:
             if "=" not in part:
                 raise ConfigError(f"plan item {part!r} is not of the form name=value", field="plan", value=text)
             key, value = (s.strip() for s in part.split("=", 1))
-            key = {"dp": "dp_shard", "schedule": "pp_schedule", "v": "virtual_stages", "zero": "zero_stage"}.get(key, key)
+            key = PLAN_ALIASES.get(key, key)
             if key not in names or key == "stage_layers":
                 raise ConfigError(
                     f"plan has no field {key!r}; fields: {', '.join(n for n in names if n != 'stage_layers')}",

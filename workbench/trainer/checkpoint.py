@@ -15,7 +15,8 @@ What a checkpoint holds (one DCP state dict, every rank writing its own shards):
 * beside the DCP files, ``meta.json`` (rank 0): the RunConfig that produced it, the layout, the
   world size, the torch version.
 
-Layout on disk (DESIGN.md, the run directory)::
+Layout on disk (DESIGN.md, the run directory; listed, committed and verified without torch by
+:mod:`workbench.rundir.checkpoints`)::
 
     checkpoints/step-<n>.tmp/     while being written (never loaded; discarded at the next start)
     checkpoints/step-<n>/         committed: __<rank>_<i>.distcp, .metadata, meta.json,
@@ -26,7 +27,7 @@ DCP's finish step (rank 0 writes ``.metadata`` after gathering every rank's writ
 that when rank 0's save returns every file is on disk; rank 0 then writes ``meta.json``, hashes
 every file into ``hashes.json``, writes the ``COMMITTED`` marker (which records the hash of
 ``hashes.json``), fsyncs, and renames the directory to ``step-<n>`` (atomic on POSIX). Loading
-checks every hash; a truncated or corrupted checkpoint is reported in one line (event
+checks every hash and that DCP's ``.metadata`` loads (:func:`verify_checkpoint`); a truncated or corrupted checkpoint is reported in one line (event
 ``checkpoint_rejected`` and stderr), renamed ``step-<n>.rejected``, and the previous good one is
 used. Retention keeps the last ``checkpoint_keep`` committed checkpoints, deleting older ones only
 after a newer one is committed.
@@ -53,20 +54,16 @@ State that cannot be resharded, and what is done instead (also in the ``resume``
 Recovery drill: under ``torchrun --max-restarts N`` a lost rank makes torchrun restart every rank;
 the trainer sees ``TORCHELASTIC_RESTART_COUNT > 0`` and resumes from the latest good checkpoint.
 :func:`note_restart` writes what the events of the previous attempt say (``fault``: killed,
-error or interrupted, and the last step logged) and a ``restart`` event; :func:`kill_if_asked` is
-the test hook (``WORKBENCH_KILL_AT="<rank>:<step>"``, first attempt only).
+error or interrupted, and the last step logged) and a ``restart`` event. The drill's fault
+injection (``WORKBENCH_KILL_AT="<rank>:<step>"``, first attempt only) is :mod:`workbench.trainer.faults`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
 import random
-import re
-import shutil
-import signal
 import sys
 import threading
 import time
@@ -85,130 +82,26 @@ from torch.distributed.tensor import DTensor
 
 from workbench.spec.config import RunConfig
 from workbench.spec.errors import ConfigError
+from workbench.rundir import checkpoints as on_disk
+from workbench.rundir.checkpoints import (HASHES, META, CommitInfo, apply_retention, checkpoint_bytes_on_disk,
+                                          checkpoints_dir, commit_checkpoint, discard_incomplete, step_of)
 from workbench.rundir.events import (Checkpoint, CheckpointRejected, EventWriter, Fault, Restart, Resume,
                                 read_rank_events)
 
-CHECKPOINTS = "checkpoints"
-MARKER = "COMMITTED"
-HASHES = "hashes.json"
-META = "meta.json"
-_COMMITTED_NAME = re.compile(r"^step-(\d+)$")
 # One entry per parameter in the optimizer state (not per param group): param groups differ per
 # pipeline stage, per-parameter entries do not.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-_HASH_CHUNK = 1 << 20
 # World size 1 saves and loads without a process group, by design: DCP need not say so every time.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 # --------------------------------------------------------------------------- the run directory
+# Listing, committing, verifying and choosing checkpoints need no torch: workbench.rundir.checkpoints.
+# Only reading DCP's .metadata (a pickle of torch classes) does; it is the check added here.
 
 
-def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / CHECKPOINTS
-
-
-def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Committed-looking checkpoints ``(step, path)``, oldest first (``.tmp``/``.rejected`` excluded;
-    whether they are *good* is :func:`verify_checkpoint`'s business)."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _COMMITTED_NAME.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-@dataclass(frozen=True)
-class CommitInfo:
-    path: Path
-    bytes: int  # every file of the checkpoint
-    n_files: int
-    duration_s: float
-
-
-def commit_checkpoint(tmp: Path, final: Path, meta: dict[str, Any]) -> CommitInfo:
-    """Make the complete checkpoint in ``tmp`` visible as ``final`` (rank 0, after every rank wrote).
-
-    Order matters: ``meta.json``, then the hashes of every file, then the marker (naming the hash of
-    ``hashes.json``), each fsynced, then one atomic rename. A crash at any point leaves either a
-    ``.tmp`` directory (ignored, discarded later) or a complete ``step-<n>``."""
-    t0 = time.perf_counter()
-    _write_synced(tmp / META, json.dumps(meta, indent=2))
-    hashes = {}
-    for p in sorted(tmp.iterdir()):
-        if p.is_file() and p.name not in (HASHES, MARKER):
-            hashes[p.name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-    hashes_text = json.dumps(hashes, indent=1, sort_keys=True)
-    _write_synced(tmp / HASHES, hashes_text)
-    marker = {"step": meta.get("step"), "hashes_sha256": hashlib.sha256(hashes_text.encode()).hexdigest()}
-    _write_synced(tmp / MARKER, json.dumps(marker))
-    _fsync_dir(tmp)
-    aside = None
-    if final.exists():  # the same step saved again (a run resumed from an older checkpoint)
-        aside = final.with_name(f"{final.name}.replaced-{os.getpid()}")
-        os.rename(final, aside)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-    return CommitInfo(final, checkpoint_bytes_on_disk(final), len(hashes) + 2, time.perf_counter() - t0)
-
-
-def verify_checkpoint(path: str | os.PathLike, full: bool = True) -> str | None:
-    """None if the checkpoint at ``path`` is complete and intact, else the reason, in one line.
-
-    ``full=False`` checks the structure only (marker, hashes file, every file present with its
-    recorded size, every file DCP's ``.metadata`` refers to listed): cheap, used right after a save.
-    ``full=True`` also recomputes every SHA-256: used before loading."""
-    path = Path(path)
-    if not path.is_dir():
-        return "no such checkpoint directory"
-    if not (path / MARKER).exists():
-        return f"no {MARKER} marker: the write never completed"
-    try:
-        marker = json.loads((path / MARKER).read_text())
-        hashes_text = (path / HASHES).read_text()
-        hashes = json.loads(hashes_text)
-    except (OSError, ValueError) as e:
-        return f"unreadable {MARKER} or {HASHES}: {e}"
-    if hashlib.sha256(hashes_text.encode()).hexdigest() != marker.get("hashes_sha256"):
-        return f"{HASHES} does not match the hash recorded in {MARKER}"
-    for name, rec in hashes.items():
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        size = f.stat().st_size
-        if size != rec["bytes"]:
-            return f"{name} is truncated or overwritten: {size} bytes, {rec['bytes']} recorded"
-    if ".metadata" not in hashes:
-        return "no DCP .metadata file"
+def dcp_metadata_problem(path: Path, hashes: dict[str, Any]) -> str | None:
+    """None if DCP's ``.metadata`` loads and every file it refers to is in ``hashes.json``."""
     try:
         md = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - any failure to parse is a bad checkpoint
@@ -217,72 +110,19 @@ def verify_checkpoint(path: str | os.PathLike, full: bool = True) -> str | None:
         rel = getattr(info, "relative_path", None)
         if rel is not None and rel not in hashes:
             return f".metadata refers to {rel}, which is not in {HASHES}"
-    if full:
-        for name, rec in hashes.items():
-            if sha256_file(path / name) != rec["sha256"]:
-                return f"{name} is corrupted: its SHA-256 differs from the one recorded at commit"
     return None
 
 
-def checkpoint_bytes_on_disk(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-
-
-def reject(path: Path) -> Path:
-    """Move a bad checkpoint out of the way (kept for inspection as ``step-<n>.rejected``)."""
-    target = path.with_name(path.name + ".rejected")
-    i = 1
-    while target.exists():
-        target = path.with_name(f"{path.name}.rejected-{i}")
-        i += 1
-    os.rename(path, target)
-    return target
+def verify_checkpoint(path: str | os.PathLike, full: bool = True) -> str | None:
+    """:func:`workbench.rundir.checkpoints.verify_checkpoint` with DCP's ``.metadata`` checked too
+    (it loads; every file it refers to is listed): None if good, else the reason in one line."""
+    return on_disk.verify_checkpoint(path, full, check_metadata=dcp_metadata_problem)
 
 
 def find_latest_good(run_dir: str | os.PathLike, on_reject: Callable[[int, Path, str, Path | None], None] | None = None,
                      move_rejected: bool = True) -> Path | None:
-    """The newest committed checkpoint that passes :func:`verify_checkpoint`, or None.
-
-    Each bad one is reported through ``on_reject(step, path, reason, fallback)`` and (by default)
-    renamed ``.rejected``, so that it is never considered again and its step can be saved anew."""
-    bad: list[tuple[int, Path, str]] = []
-    good = None
-    for step, path in reversed(list_checkpoints(run_dir)):
-        reason = verify_checkpoint(path, full=True)
-        if reason is None:
-            good = path
-            break
-        bad.append((step, path, reason))
-    for step, path, reason in bad:
-        if on_reject is not None:
-            on_reject(step, path, reason, good)
-        if move_rejected:
-            reject(path)
-    return good
-
-
-def apply_retention(run_dir: str | os.PathLike, keep: int) -> list[tuple[int, Path, int]]:
-    """Delete all but the newest ``keep`` committed checkpoints; return ``(step, path, bytes)`` deleted.
-
-    Called only after a commit, so the newest is always a complete one."""
-    deleted = []
-    for step, path in list_checkpoints(run_dir)[:-keep]:
-        size = checkpoint_bytes_on_disk(path)
-        shutil.rmtree(path, ignore_errors=True)
-        deleted.append((step, path, size))
-    return deleted
-
-
-def discard_incomplete(run_dir: str | os.PathLike) -> list[Path]:
-    """Remove ``step-<n>.tmp`` directories left by a save that never committed (rank 0, at start,
-    when no save can be in flight)."""
-    root = checkpoints_dir(run_dir)
-    out = []
-    if root.is_dir():
-        for p in root.glob("step-*.tmp"):
-            shutil.rmtree(p, ignore_errors=True)
-            out.append(p)
-    return out
+    """:func:`workbench.rundir.checkpoints.find_latest_good`, verifying with :func:`verify_checkpoint`."""
+    return on_disk.find_latest_good(run_dir, on_reject, move_rejected, check_metadata=dcp_metadata_problem)
 
 
 # --------------------------------------------------------------------------- the training state
@@ -537,7 +377,7 @@ class Checkpointer:
         chosen: str | None = None
         if self.rank == 0:
             for p in discard_incomplete(self.run_dir):
-                self._phase("discarded", _step_of(p), p)
+                self._phase("discarded", step_of(p), p)
             t0 = time.perf_counter()
             if path is not None:  # asked for by name: no fallback
                 reason = verify_checkpoint(path, full=True)
@@ -547,7 +387,7 @@ class Checkpointer:
             else:
                 good = find_latest_good(self.run_dir, self._report_reject)
             if good is not None:
-                self._phase("verified", _step_of(good), good, checkpoint_bytes_on_disk(good), time.perf_counter() - t0)
+                self._phase("verified", step_of(good), good, checkpoint_bytes_on_disk(good), time.perf_counter() - t0)
             chosen = str(good) if good is not None else None
         if dist.is_initialized() and _world() > 1:
             box = [chosen]
@@ -604,11 +444,6 @@ class Checkpointer:
         return step
 
 
-def _step_of(path: Path) -> int:
-    m = re.match(r"^step-(\d+)", path.name)
-    return int(m.group(1)) if m else -1
-
-
 def check_compatible(saved: RunConfig, current: RunConfig) -> None:
     """Refuse, in one line, a checkpoint that another layout cannot continue exactly: another model,
     or another data stream (global batch size, sequence length, dataset, seed)."""
@@ -657,16 +492,3 @@ def note_restart(run_dir: str | os.PathLike, rank: int, writer: EventWriter) -> 
 def restart_count() -> int:
     """How many times torchrun has restarted this job (0 on the first attempt or outside torchrun)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def kill_if_asked(rank: int, step: int) -> None:
-    """Recovery-drill hook: ``WORKBENCH_KILL_AT="<rank>:<step>"`` makes that rank SIGKILL itself at
-    the start of that step, on the first attempt only (so the restarted job can finish). SIGKILL:
-    no handler, no event, no flush, exactly like the OOM killer or a lost node."""
-    spec = os.environ.get("WORKBENCH_KILL_AT")
-    if not spec or restart_count() > 0:
-        return
-    r, s = (int(x) for x in spec.split(":"))
-    if r == rank and s == step:
-        print(f"[workbench] WORKBENCH_KILL_AT: rank {rank} sends itself SIGKILL at step {step}", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from workbench.spec.plan import COMPOSITE_DIMS, GROUP_DIMS, ParallelPlan
+from workbench.trainer.expert_parallel import expert_data_parallel_ranks
 
 
 @dataclass
@@ -94,8 +95,6 @@ def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> Meshes:
             # Every rank must take part in creating every subgroup.
             out.ep_group, _ = dist.new_subgroups_by_enumeration(plan.group_ranks("ep"))
             out.ep_mesh = DeviceMesh.from_group(out.ep_group, device_type, mesh_dim_names=("ep",))
-        from workbench.trainer.expert_parallel import expert_data_parallel_ranks
-
         groups = expert_data_parallel_ranks(plan)
         if len(groups[0]) > 1:
             out.expert_dp_group, _ = dist.new_subgroups_by_enumeration(groups)

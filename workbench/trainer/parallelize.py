@@ -9,14 +9,17 @@ Order matters, and :func:`parallelize` keeps it: **TP, then AC, then FSDP/DDP.**
   forward are gathered again for the recomputation only if resharded (ZeRO-3).
 * FSDP last: ``fully_shard`` shards whatever each parameter already is (a TP DTensor becomes a 2-D
   DTensor over (dp, tp)); per block first, the root last, so each block is one all-gather group.
+
+What the bundled trainer cannot parallelise (TP with MoE layers or qk_norm, learned positions with
+sequence parallel...) is refused before any of this runs: :func:`workbench.spec.trainable.check_trainable`.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -27,6 +30,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from workbench.trainer.context_parallel import apply_cp
+from workbench.trainer.expert_parallel import apply_ep, expert_params
 from workbench.trainer.transformer import Transformer
 
 
@@ -55,16 +60,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         )
     if root:
         parallelize_module(model, tp_mesh, root)  # type: ignore[arg-type]
-    if model.pos_embeddings is not None and sequence_parallel:
-        raise NotImplementedError("learned position embeddings with sequence parallel are not supported")
 
     for block in model.layers.values():
-        if block.moe is not None:
-            raise NotImplementedError(
-                "tp > 1 with MoE layers is not supported by the bundled trainer: use ep (expert parallel) instead"
-            )
-        if block.attention.q_norm is not None:
-            raise NotImplementedError("tp > 1 with qk_norm is not supported by the bundled trainer")
         plan: dict[str, object] = {
             "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
             "attention.wq": ColwiseParallel(),
@@ -151,17 +148,27 @@ def mixed_precision_policy(compute_dtype: torch.dtype):
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
-def parallelize(model: Transformer, meshes, plan, recompute: str, compute_dtype: torch.dtype = torch.float32) -> bool:
-    """Apply CP, EP, TP, AC and data parallelism in that order. Returns True when the data
-    parallel wrapper casts to ``compute_dtype`` itself (no autocast needed)."""
-    if plan.cp > 1:
-        from workbench.trainer.context_parallel import apply_cp  # written alongside; imported only when used
+@dataclass(frozen=True)
+class Parallelized:
+    """What :func:`parallelize` wrapped a module in, for the caller to keep."""
 
+    data_parallel: str | None  # "fsdp" (fully_shard), "ddp" (replicate) or None
+
+    @property
+    def casts_compute_dtype(self) -> bool:
+        """The data-parallel wrapper casts to the compute dtype itself (its MixedPrecisionPolicy),
+        so no autocast is needed; it also owns the gradient sync (``set_requires_gradient_sync``)."""
+        return self.data_parallel is not None
+
+
+def parallelize(model: Transformer, meshes, plan, recompute: str,
+                compute_dtype: torch.dtype = torch.float32) -> Parallelized:
+    """Apply CP, EP, TP, AC and data parallelism in that order; say which data-parallel wrapper
+    the module got."""
+    if plan.cp > 1:
         apply_cp(model, meshes.get("cp"))
     ignored = None
     if plan.ep > 1:
-        from workbench.trainer.expert_parallel import apply_ep, expert_params
-
         apply_ep(model, meshes.ep_mesh if meshes.ep_mesh is not None else meshes.ep_group)
         # Experts are already sharded over EP; their gradients are reduced over the ranks that
         # hold the same experts (train.py, reduce_expert_grads), not by FSDP/DDP.
@@ -173,9 +180,9 @@ def parallelize(model: Transformer, meshes, plan, recompute: str, compute_dtype:
     fsdp_mesh = meshes.fsdp_mesh()
     if fsdp_mesh is not None and plan.zero_stage > 0:
         apply_fsdp(model, fsdp_mesh, plan.zero_stage, mp, ignored_params=ignored)
-        return True
+        return Parallelized("fsdp")
     dp_mesh = meshes.get("dp_cp") if fsdp_mesh is not None else meshes.get("dp_replicate")
     if dp_mesh is not None:
         apply_ddp(model, dp_mesh, mp, ignored_params=ignored)
-        return True
-    return False
+        return Parallelized("ddp")
+    return Parallelized(None)

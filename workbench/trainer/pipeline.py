@@ -18,7 +18,8 @@ objective of the non-pipelined run with gradient accumulation.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -86,15 +87,23 @@ def build_stages(
     return stages, modules
 
 
-def build_schedule(plan: ParallelPlan, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable):
+@dataclass
+class PipelineSchedule:
+    """A torch schedule and the stages of this rank it runs (the instrument times each of them)."""
+
+    schedule: Any  # a torch.distributed.pipelining schedule: PipelineScheduleSingle or PipelineScheduleMulti
+    stages: list[PipelineStage]
+
+
+def build_schedule(plan: ParallelPlan, stages: list[PipelineStage], n_microbatches: int,
+                   loss_fn: Callable) -> PipelineSchedule:
     """The schedule object ``plan.pp_schedule`` names, with our own loss scaling (see module doc)."""
     cls = SCHEDULE_CLASSES[plan.pp_schedule]
     if plan.pp_schedule in SINGLE_STAGE_SCHEDULES:
         schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    schedule.workbench_stages = list(stages)  # for instrument.py: time each stage's actions
-    return schedule
+    return PipelineSchedule(schedule, list(stages))
 
 
 def holds_first(plan: ParallelPlan, pp_rank: int) -> bool:

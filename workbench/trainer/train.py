@@ -41,15 +41,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from workbench.trainer.checkpoint import Checkpointer, kill_if_asked, note_restart, restart_count
-from workbench.spec.trainable import check_trainable
 from workbench.spec.config import RunConfig
+from workbench.spec.trainable import check_trainable
 from workbench.rundir.events import Error, EventWriter, RunEnd, RunStart, Step
+from workbench.trainer.checkpoint import Checkpointer, note_restart, restart_count
+from workbench.trainer.context_parallel import shard_sequence
 from workbench.trainer.data import BatchLoader, load_tokens
-from workbench.trainer.mesh import Meshes, build_meshes, check_mesh
-from workbench.trainer.transformer import Transformer, build_model, materialize
-from workbench.trainer.parallelize import parallelize
+from workbench.trainer.expert_parallel import reduce_expert_grads
+from workbench.trainer.faults import Faults
 from workbench.trainer.instrument import make_instrument
+from workbench.trainer.mesh import Meshes, build_meshes, check_mesh
+from workbench.trainer.parallelize import Parallelized, parallelize
+from workbench.trainer.pipeline import PipelineSchedule, build_schedule, build_stages, holds_first, holds_last
+from workbench.trainer.transformer import Transformer, build_model, materialize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PG_TIMEOUT_S = float(os.environ.get("WORKBENCH_PG_TIMEOUT_S", "300"))
@@ -178,8 +182,8 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     loader: BatchLoader
     n_microbatches: int
-    schedule: Any = None  # pipeline schedule when pp > 1
-    dp_wrapped: bool = False
+    pipeline: PipelineSchedule | None = None  # when pp > 1
+    dp_wrapped: bool = False  # a data-parallel wrapper casts and syncs gradients (Parallelized)
     step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
 
@@ -192,16 +196,13 @@ def _positions_for_cp(trainer: "Trainer", tokens: torch.Tensor, targets: torch.T
     plan = trainer.config.plan
     if plan.cp == 1:
         return tokens, targets, None
-    from workbench.trainer.context_parallel import shard_sequence
-
     return shard_sequence(tokens, targets, trainer.meshes.local_rank("cp"), plan.cp)
 
 
 def setup(config: RunConfig, rank: int, device: torch.device) -> Trainer:
     """Build the mesh, the (sharded, staged) model, the optimizer and the data loader."""
     plan, t = config.plan, config.train
-    if config.model.tie_embeddings and plan.pp > 1:
-        raise NotImplementedError("tie_embeddings with pp > 1 is not supported (the tied weights live on two stages)")
+    check_trainable(config)  # library callers too (main checks before the process group starts)
     set_determinism(t.seed, t.deterministic)
     meshes = build_meshes(plan, device.type)
     if dist.is_initialized():
@@ -209,24 +210,22 @@ def setup(config: RunConfig, rank: int, device: torch.device) -> Trainer:
     compute = DTYPES[t.compute_dtype] if device.type == "cuda" else torch.float32
     meta = build_model(config.model, "meta", t.moe_capacity_factor)
     n_micro = config.n_microbatches
+    wrapped: list[Parallelized] = []
 
     def prepare(module: Transformer) -> Transformer:
-        dp_wrapped = parallelize(module, meshes, plan, t.recompute, compute)
-        module._dp_wrapped = dp_wrapped  # type: ignore[attr-defined]
+        wrapped.append(parallelize(module, meshes, plan, t.recompute, compute))
         materialize(module, device, t.seed)
         for moe in module.moe_layers():
             moe.aux_loss_weight = t.moe_aux_loss_coeff / n_micro
         return module
 
-    schedule = None
+    pipeline = None
     if plan.pp > 1:
-        from workbench.trainer.pipeline import build_schedule, build_stages
-
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return cross_entropy(logits, targets) / n_micro
 
         stages, modules = build_stages(meta, plan, meshes.local_rank("pp"), meshes.group("pp"), device, prepare)
-        schedule = build_schedule(plan, stages, n_micro, loss_fn)
+        pipeline = build_schedule(plan, stages, n_micro, loss_fn)
     else:
         modules = [prepare(meta)]
     params = [p for m in modules for p in m.parameters()]
@@ -234,8 +233,9 @@ def setup(config: RunConfig, rank: int, device: torch.device) -> Trainer:
     tokens = load_tokens(t.dataset, t.data_path, config.model.vocab_size, t.seed)
     loader = BatchLoader(tokens, t.seq_len, t.global_batch_size, t.micro_batch_size,
                          dp_rank=meshes.local_rank("dp"), dp_size=plan.dp, seed=t.seed)
-    return Trainer(config, rank, device, meshes, modules, optimizer, loader, n_micro, schedule,
-                   dp_wrapped=getattr(modules[0], "_dp_wrapped", False))
+    # every module of this rank is parallelised alike: the first one's wrapper says it for all
+    return Trainer(config, rank, device, meshes, modules, optimizer, loader, n_micro, pipeline,
+                   dp_wrapped=wrapped[0].casts_compute_dtype)
 
 
 def _autocast(trainer: Trainer):
@@ -272,19 +272,17 @@ def train_step(trainer: Trainer) -> dict[str, Any]:
     local_loss = torch.zeros((), device=trainer.device)
     b, m = t.micro_batch_size, trainer.n_microbatches
     with _autocast(trainer), _loss_parallel(trainer):
-        if trainer.schedule is not None:
-            from workbench.trainer.pipeline import holds_first, holds_last
-
+        if trainer.pipeline is not None:
             pp_rank = trainer.meshes.local_rank("pp")
             for module in trainer.modules:
                 module.default_positions = positions
             losses: list[torch.Tensor] = []
             args = (tokens,) if holds_first(plan, pp_rank) else ()
             if holds_last(plan, pp_rank):
-                trainer.schedule.step(*args, target=targets, losses=losses)
+                trainer.pipeline.schedule.step(*args, target=targets, losses=losses)
                 local_loss = torch.stack([_plain(x.detach()).float() for x in losses]).sum()
             else:
-                trainer.schedule.step(*args)
+                trainer.pipeline.schedule.step(*args)
         else:
             model = trainer.modules[0]
             for i in range(m):
@@ -295,10 +293,7 @@ def train_step(trainer: Trainer) -> dict[str, Any]:
                 loss = cross_entropy(model(x, positions), y) / m
                 loss.backward()
                 local_loss += _plain(loss.detach()).float()
-    _maybe_fail(trainer.rank, step)
     if plan.ep > 1:
-        from workbench.trainer.expert_parallel import reduce_expert_grads
-
         for module in trainer.modules:
             reduce_expert_grads(module, trainer.meshes.expert_dp_group)
     grad_norm = clip_grad_norm(trainer.params, t.grad_clip, trainer.meshes.group("pp"))
@@ -327,15 +322,6 @@ def train_step(trainer: Trainer) -> dict[str, Any]:
 def _plain(x: torch.Tensor) -> torch.Tensor:
     """A loss value as a plain tensor (loss parallel makes it a replicated DTensor)."""
     return x.full_tensor() if isinstance(x, DTensor) else x
-
-
-def _maybe_fail(rank: int, step: int) -> None:
-    """Fault injection for tests: WORKBENCH_FAIL_AT="<rank>:<step>" makes that rank raise."""
-    spec = os.environ.get("WORKBENCH_FAIL_AT")
-    if spec:
-        r, s = (int(x) for x in spec.split(":"))
-        if r == rank and s == step:
-            raise RuntimeError(f"injected failure at step {step}")
 
 
 class Losses(list):
@@ -368,9 +354,10 @@ def run_training(config: RunConfig, writer: EventWriter | None = None, steps: in
                              n_params=config.model.n_params(), n_local_params=n_local, steps=config.train.steps,
                              step=trainer.step))
     instrument = make_instrument(trainer, writer)  # None: instrumentation off, or nowhere to write
+    faults = Faults.from_env()  # the recovery drill's and the tests' fault injection (faults.py)
     losses = Losses()
     for _ in range(steps if steps is not None else config.train.steps - trainer.step):
-        kill_if_asked(rank, trainer.step)
+        faults.before_step(trainer)
         if instrument is not None:
             instrument.begin_step(trainer.step)
         metrics = train_step(trainer)

@@ -1,0 +1,132 @@
+"""The one multi-process harness of the tests: torchrun jobs of gloo ranks on CPU.
+
+A test hands :func:`run_torchrun` a worker, ``"test_module:function"`` (a function of a module in
+tests/) or a script path, the number of ranks and JSON-able arguments; torchrun starts the ranks
+(one thread each, no GPU, a rendezvous on a free port, a process-group timeout that ends a job
+with a lost peer), each rank calls ``function(*args)``, and the harness tears the process group
+down. A failing job raises with the tail of its log. Workers write their results to files named in
+their arguments (rank 0, usually).
+
+Also here, because tests and their workers both use them: :func:`make_config`, the settings the
+loss-equality tests share, and :func:`max_rel_diff`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+HERE = Path(__file__).resolve().parent
+PG_TIMEOUT_S = "60"
+LOG_TAIL = (3000, 6000)  # characters of stdout, of stderr, in a failure's message
+
+
+class JobFailed(AssertionError):
+    """A torchrun job exited non-zero or ran past its timeout; the message ends with its log."""
+
+
+def _tail(text: str | bytes | None, n: int) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "")[-n:]
+
+
+def torchrun_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a job's ranks: this one, one thread per rank (two cores are shared by
+    all ranks), CPU only (so gloo), the trainer's process-group timeout, then ``env``."""
+    out = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               WORKBENCH_PG_TIMEOUT_S=PG_TIMEOUT_S)
+    out.update(env or {})
+    return out
+
+
+def run_torchrun(target: str | Path, nproc: int, args: Sequence[Any] = (), env: dict[str, str] | None = None,
+                 timeout: float = 300, check: bool = True, pin_cores: bool = False) -> subprocess.CompletedProcess:
+    """Run ``target`` on ``nproc`` gloo ranks with torchrun; return the finished process (text
+    stdout and stderr). ``target``: ``"module:function"``, called as ``function(*args)`` on every
+    rank (``args`` travel as JSON), or the path of a script, given ``args`` as its argv. With
+    ``check`` (the default), a non-zero exit or a timeout raises :class:`JobFailed` with the log's
+    tail; without, the caller reads ``returncode`` (-9 after a timeout). ``pin_cores``: each rank
+    of a ``"module:function"`` target on a core of its own, when there are as many cores as ranks
+    (for timings: a rank never time-shares a core with a peer)."""
+    if isinstance(target, str) and ":" in target and not target.endswith(".py"):
+        script, argv = [str(HERE / "dist.py"), "worker", target, json.dumps(list(args))], []
+    else:
+        script, argv = [str(target)], [str(a) for a in args]
+    # --standalone: a c10d rendezvous on localhost port 0, i.e. a free port picked when bound.
+    if pin_cores:
+        env = {**(env or {}), "WORKBENCH_TEST_PIN_CORES": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *script, *argv]
+    # Its own session: on a timeout the whole job (torchrun and every rank) is killed, not only
+    # torchrun, so no orphaned rank keeps a core of the shared machine.
+    with subprocess.Popen(cmd, env=torchrun_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as popen:
+        try:
+            out, err = popen.communicate(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            out, err = popen.communicate()
+            timed_out = True
+    proc = subprocess.CompletedProcess(cmd, -signal.SIGKILL if timed_out else popen.returncode, out, err)
+    if check and (timed_out or proc.returncode != 0):
+        why = f"ran past {timeout} s" if timed_out else f"exited {proc.returncode}"
+        raise JobFailed(f"{target} x {nproc} {why}\n" + _tail(out, LOG_TAIL[0]) + _tail(err, LOG_TAIL[1]))
+    return proc
+
+
+def _worker_main(target: str, args_json: str) -> None:
+    """One rank: import the test module (tests/ is on sys.path: this script's folder), call the
+    function, then end the process group it made, together with the other ranks."""
+    module, _, name = target.partition(":")
+    cores = sorted(os.sched_getaffinity(0))
+    rank, world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if os.environ.get("WORKBENCH_TEST_PIN_CORES") == "1" and world <= len(cores):
+        os.sched_setaffinity(0, {cores[rank]})
+    getattr(importlib.import_module(module), name)(*json.loads(args_json))
+    import torch.distributed as torch_dist
+
+    if torch_dist.is_initialized():
+        torch_dist.barrier()
+        torch_dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- shared settings
+
+# The loss-equality settings (tests/test_trainer_layouts.py, test_context_parallel.py,
+# test_expert_parallel.py, test_checkpoint.py): fp32 on CPU, the pydoc corpus, a fixed seed.
+LOSS_SETTINGS = dict(seq_len=32, micro_batch_size=2, global_batch_size=8, steps=10, warmup_steps=2, lr=3e-3,
+                     seed=1)
+
+
+def make_config(plan_text: str = "", world: int = 1, model: Any = "tiny", settings: dict | None = None,
+                **train):
+    """A RunConfig on the ``local-cpu`` cluster (2 ranks a node) for ``world`` ranks: ``model`` (a
+    preset name or a ModelSpec), the plan ``plan_text`` (dp_shard=1 unless named; "" for one
+    process) and fp32 TrainSettings of ``settings`` (LOSS_SETTINGS by default) updated by
+    ``train``."""
+    from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
+
+    fields = dict(LOSS_SETTINGS if settings is None else settings)
+    fields.update(train)
+    cluster = Cluster.preset("local-cpu", nodes=max(1, world // 2), gpus_per_node=min(world, 2))
+    plan = ParallelPlan.parse(plan_text, dp_shard=1) if plan_text else ParallelPlan(dp_shard=1)
+    spec = ModelSpec.preset(model) if isinstance(model, str) else model
+    return RunConfig(spec, cluster, plan, TrainSettings(**fields).with_precision("fp32"))
+
+
+def max_rel_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    """max |a_i - b_i| / |b_i| over two loss curves of the same length."""
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "worker":
+    _worker_main(sys.argv[2], sys.argv[3])
