@@ -25,7 +25,8 @@ _unmarked_starts: dict[str, list[str]] = {}
 
 def _record(what: str) -> None:
     item = _current[-1] if _current else None
-    if item is not None and item.get_closest_marker("multiprocess") is None:
+    # browser tests serve the app and start Chromium: outside the fast tier as well
+    if item is not None and not any(item.get_closest_marker(m) for m in ("multiprocess", "browser")):
         _unmarked_starts.setdefault(item.nodeid, []).append(what[:120])
 
 

@@ -80,3 +80,28 @@ def test_run_directory_round_trip(tmp_path):
         assert key in m
     with pytest.raises(FileExistsError):
         create_run_dir(config, root=tmp_path, run_id="r1")
+
+
+def test_preempted_steps_do_not_count_in_the_measured_bubble():
+    """Two ranks, 4 timed steps. In steps 1 and 3 rank 1 was preempted (on a CPU for 40 % of its
+    unblocked window): its actions stretched and rank 0's idle grew. The bubble is the median over
+    the clean steps 0 and 2 only (0.1 each), and with no step clean over all of them."""
+    from workbench.rundir import analysis
+
+    def step(s, idle0, share1):
+        w = [10.0 * s, 10.0 * s + 1.0]
+        return [
+            {"kind": "pipeline", "rank": 0, "step": s + analysis.WARMUP_STEPS, "window": w, "wait_s": idle0,
+             "cpu_s": 1.0 - idle0},
+            {"kind": "pipeline", "rank": 1, "step": s + analysis.WARMUP_STEPS, "window": w, "wait_s": 0.0,
+             "cpu_s": share1},
+        ]
+
+    events = step(0, 0.2, 1.0) + step(1, 0.6, 0.4) + step(2, 0.2, 0.95) + step(3, 0.6, 0.4)
+    assert analysis.uncontended([e for e in events if e["step"] == analysis.WARMUP_STEPS])
+    assert not analysis.uncontended([e for e in events if e["step"] == analysis.WARMUP_STEPS + 1])
+    assert analysis.bubble_fraction(events) == pytest.approx(0.1)
+    contended = step(1, 0.6, 0.4) + step(3, 0.6, 0.4)
+    assert analysis.bubble_fraction(contended) == pytest.approx(0.3)
+    cuda = [dict(e, cpu_s=None) for e in events]  # not measured: every step counts
+    assert analysis.bubble_fraction(cuda) == pytest.approx(0.2)

@@ -109,12 +109,39 @@ def memory(events: Events, rank: int) -> dict[str, int]:
     return out
 
 
+# A rank whose process was on a CPU for less than this share of the time it was not blocked was
+# preempted by another process during the step (on a core of its own the share is ~1; the gloo
+# and Python threads around the work only raise it).
+MIN_CPU_SHARE = 0.85
+
+
+def cpu_share(e: Mapping[str, Any]) -> float | None:
+    """The share of a pipeline event's unblocked window its process spent on a CPU (None: not
+    measured, as on CUDA)."""
+    cpu = e.get("cpu_s")
+    if cpu is None:
+        return None
+    active = (e["window"][1] - e["window"][0]) - e.get("wait_s", 0.0)
+    return cpu / active if active > 0 else 1.0
+
+
+def uncontended(evs: list[Mapping[str, Any]]) -> bool:
+    """True unless some rank of the step was measurably preempted (:data:`MIN_CPU_SHARE`)."""
+    return all((share := cpu_share(e)) is None or share >= MIN_CPU_SHARE for e in evs)
+
+
 def _pipeline_steps(events: Events) -> dict[int, list[Mapping[str, Any]]]:
+    """The timed pipeline steps (after the warm-up), and of those only the steps
+    no rank was preempted in, when any is: on a shared machine a preempted rank's actions stretch
+    and its neighbours' idle shrinks, so those steps measure the load of the machine, not the
+    schedule. With every step contended all are kept (the best measurement there is)."""
     by_step: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
     for e in _of(events, "pipeline"):
         by_step[e["step"]].append(e)
     keep = _timed_steps(by_step)
-    return {s: v for s, v in by_step.items() if s in keep}
+    timed = {s: v for s, v in by_step.items() if s in keep}
+    clean = {s: v for s, v in timed.items() if uncontended(v)}
+    return clean or timed
 
 
 def _idle(e: Mapping[str, Any], t0: float, t1: float) -> float:

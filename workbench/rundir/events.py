@@ -128,6 +128,11 @@ class PipelineStep:
     p2p: list[list[Any]] = field(default_factory=list)
     timing: str = "wall"  # "wall" (CPU) or "cuda_events"
     wait_s: float = 0.0  # blocked waiting on pipeline sends/receives (host time)
+    # The process's CPU seconds inside the window (CPU runs; None on CUDA). On a core of its own a
+    # rank is on the CPU for all of the window it is not blocked: cpu_s ~ window - wait_s. Much
+    # less means another process had its core, and that step's timings measure the machine's
+    # load, not the schedule (workbench.rundir.analysis drops such steps).
+    cpu_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -129,13 +129,13 @@ class Instrument:
         if self.recorder is not None:
             w.emit(Collectives(step=step, calls=calls))
         if self.pipeline is not None:
-            window, actions, busy, wait = self.pipeline.flush(self.offset)
+            window, actions, busy, wait, cpu = self.pipeline.flush(self.offset)
             span = window[1] - window[0]
             p2p = [[c.get("dir"), c["bytes"], c["start"], c["end"]] for c in calls if c["dim"] == "pp"
                    and c["op"] == "send_recv"]
             w.emit(PipelineStep(step=step, pp_rank=self.trainer.meshes.local_rank("pp"), window=window,
                                 busy_s=busy, bubble_fraction=max(0.0, 1 - busy / span) if span > 0 else 0.0,
-                                actions=actions, p2p=p2p, wait_s=wait,
+                                actions=actions, p2p=p2p, wait_s=wait, cpu_s=cpu,
                                 timing="cuda_events" if self.device.type == "cuda" else "wall"))
         if measured_activations:
             per_mb = self.pipeline.first_mb_saved if self.pipeline is not None else 0

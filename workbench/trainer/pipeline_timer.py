@@ -37,6 +37,9 @@ class PipelineTimer:
         self.cuda = device.type == "cuda"
         self.actions: list[list[Any]] = []  # [kind, stage, mb, start, end] (perf seconds or events)
         self.window: list[Any] = [None, None]
+        # Process CPU seconds at the window's ends (host clocks only): how much of the window this
+        # rank was on a CPU, so a reader can tell a step another process preempted (see cpu_s).
+        self.cpu: list[float] = [0.0, 0.0]
         self.meter = meter
         self.first_mb_saved = 0
         self.wait_s = 0.0  # blocked in pipeline p2p waits this step: the dependency bubble
@@ -101,19 +104,23 @@ class PipelineTimer:
         fn = schedule.step
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            self.cpu[0] = time.process_time()
             self.window[0] = self._stamp()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.window[1] = self._stamp()
+                self.cpu[1] = time.process_time()
 
         schedule.step = step
 
     def begin_step(self) -> None:
         self.first_mb_saved = 0
 
-    def flush(self, offset: float) -> tuple[list[float], list[list[Any]], float, float]:
-        """(window, actions, busy seconds, wait seconds) in wall-clock seconds; clears the lists."""
+    def flush(self, offset: float) -> tuple[list[float], list[list[Any]], float, float, float | None]:
+        """(window, actions, busy seconds, wait seconds, CPU seconds) in wall-clock seconds; clears
+        the lists. CPU seconds are the process's CPU time inside the window, None on CUDA (where
+        the actions run on the device and the host's CPU time says nothing about them)."""
         if self.cuda:
             torch.cuda.synchronize()
             base_ev = self.window[0]
@@ -126,4 +133,5 @@ class PipelineTimer:
         busy = sum(a[4] - a[3] for a in actions)
         self.actions = []
         wait, self.wait_s = self.wait_s, 0.0
-        return window, actions, busy, wait
+        cpu = None if self.cuda else self.cpu[1] - self.cpu[0]
+        return window, actions, busy, wait, cpu
