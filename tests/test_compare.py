@@ -91,9 +91,10 @@ JOBS = {2: BUBBLES[2], 4: COMPARE_4 + BUBBLES[4]}  # world size -> its layouts, 
 
 
 def run_job(world: int, layouts: list[str], root: Path) -> None:
-    # World 2: a rank per core of the 2 CI cores. Not pinned (pin_cores): with other jobs on the
-    # machine, pinned ranks measured bubbles 2-13 points off in 4 of 9 pp=2 cases, unpinned 1 of 6.
-    proc = run_torchrun("test_compare:worker", world, [str(root), layouts], timeout=400)
+    # World 2: a rank per core of the 2 CI cores, at timing priority, so that other jobs on the
+    # machine take a core only while a rank waits (with a CPU hog beside it, pp=2 gpipe measured
+    # 0.194 against 0.247 simulated at normal priority). Pinning ranks to cores did not help.
+    proc = run_torchrun("test_compare:worker", world, [str(root), layouts], timeout=400, timing=True)
     print(proc.stdout)
 
 
