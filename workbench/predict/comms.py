@@ -39,16 +39,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from workbench.spec.config import DTYPE_BYTES
+from workbench.spec.cluster import Cluster
+from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
 from workbench.spec.errors import check_choice, require
+from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
-
-if TYPE_CHECKING:
-    from workbench.spec.cluster import Cluster
-    from workbench.spec.config import RunConfig, TrainSettings
-    from workbench.spec.model import ModelSpec
+from workbench.predict.pipeline import schedule_order
 
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
@@ -515,8 +513,6 @@ def _fsdp_gathers(plan: ParallelPlan, m: int, pp_rank: int) -> dict[int, tuple[t
     z3 = plan.zero_stage == 3
     if plan.pp == 1:
         return {0: ((m, m if z3 else 0), (m, 0))}
-    from workbench.predict.pipeline import schedule_order  # schedule imports plan only; import where needed
-
     order = schedule_order(plan.pp_schedule, plan.pp, m, plan.virtual_stages)[pp_rank]
     out = {}
     for stage in plan.stages_of_rank(pp_rank):
