@@ -32,15 +32,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
-
 from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
 from workbench.predict.pipeline import in_flight_at_peak
-
-if TYPE_CHECKING:
-    pass
 
 COMPONENTS = ("parameters", "gradients", "optimizer", "master_weights", "activations", "buffers", "overhead")
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
