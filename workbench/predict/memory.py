@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from functools import cached_property
+
 from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
