@@ -13,6 +13,7 @@ loss-equality tests share, and :func:`max_rel_diff`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -20,7 +21,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 HERE = Path(__file__).resolve().parent
 PG_TIMEOUT_S = "60"
@@ -92,6 +93,21 @@ def _timing_priority() -> None:
             return
         except OSError:
             continue
+
+
+@contextlib.contextmanager
+def timing_priority() -> Iterator[None]:
+    """This process at timing priority (:func:`_timing_priority`) while the block runs, so that the
+    jobs it starts there (the product's own launchers, say) inherit it; then back as it was."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    _timing_priority()
+    try:
+        yield
+    finally:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, before)
+        except OSError:  # an unprivileged user cannot lower its nice value again; nothing was raised then
+            pass
 
 
 def _worker_main(target: str, args_json: str) -> None:

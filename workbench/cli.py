@@ -22,6 +22,7 @@ from workbench.spec.plan import ParallelPlan
 from workbench.spec.schedules import SCHEDULES
 from workbench.predict.advisor import advise
 from workbench.predict.comms import traffic_by_dim
+from workbench.predict.measurements import load_measurements, published_measurements, validate as validate_measurements
 from workbench.predict.memory import estimate_memory
 from workbench.rundir.benchmarks import format_table
 from workbench.rundir.compare import compare_run
@@ -312,6 +313,24 @@ def calibrate(results: tuple[str, ...], output: str) -> None:
         f.write(report.cluster.to_json())
     click.echo(format_fit(report))
     click.echo(f"calibrated cluster: {output} (use it as: workbench plan --cluster {output})")
+
+
+# ---------------------------------------------------------------------------- validate
+@main.command()
+@click.option("--measured", "measured_path", type=click.Path(), default=None,
+              help="A CSV of measured runs (columns: see workbench/predict/measurements.py); "
+                   "default: the published tables that ship with workbench.")
+@click.option("--json", "as_json", is_flag=True, help="Print rows and statistics as JSON.")
+def validate(measured_path: str | None, as_json: bool) -> None:
+    """Predicted next to measured tokens/s per GPU for every measured run: median and p90 error,
+    and the rank correlation."""
+    measurements = load_measurements(measured_path) if measured_path else published_measurements()
+    result = validate_measurements(measurements)
+    if as_json:
+        click.echo(json.dumps({"rows": [{"label": r.label, "predicted": r.predicted, "measured": r.measured,
+                                         "error": r.error} for r in result.rows], "stats": result.stats}, indent=2))
+        return
+    click.echo(result.format())
 
 
 # ---------------------------------------------------------------------------- plan

@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from workbench.rundir.analysis import percentile
+from workbench.predict.stats import percentile
 from workbench.rundir.record import workbench_version
 from workbench.rundir.benchmarks import BenchSpec, CommsResults, CommsRow, save_results
 

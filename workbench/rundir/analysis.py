@@ -9,26 +9,14 @@ a run has no later step, its first is used.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import defaultdict
 from typing import Any, Iterable, Mapping
 
+from workbench.predict.stats import percentile
+
 WARMUP_STEPS = 1
 Events = Iterable[Mapping[str, Any]]
-
-
-def percentile(values: Iterable[float], q: float) -> float:
-    """The ``q``-th percentile (q in [0, 100]) by linear interpolation between the closest ranks
-    (numpy's default), so p50 is the median. The one percentile of the project: the trainer's
-    guards, the benchmarks, the analysis and the UI all report with it."""
-    v = sorted(values)
-    if not v:
-        raise ValueError("percentile of no values")
-    pos = (len(v) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
 def _of(events: Events, kind: str, rank: int | None = None) -> list[Mapping[str, Any]]:

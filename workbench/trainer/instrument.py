@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from workbench.predict.perf import mfu
 from workbench.spec.config import RunConfig
-from workbench.rundir.analysis import percentile
+from workbench.predict.stats import percentile
 from workbench.rundir.events import Collectives, EventWriter, Guard, Memory, PipelineStep, StepStats
 from workbench.trainer import comm_meter
 from workbench.trainer.comm_meter import CollectiveRecorder
