@@ -55,11 +55,11 @@ def test_validation_statistics_are_those_of_its_rows():
 
 def test_the_uncalibrated_planner_on_the_published_mpt_table():
     """Declared before fitting anything: the planner as it stands, uncalibrated, on 70 runs it was
-    never tuned to (median |error| 21.8 %, p90 67 %, Spearman 0.99 when written). The bar is the
+    never tuned to (median |error| 17.5 %, p90 48 %, Spearman 0.99 when written). The bar is the
     present one, so that a change that makes it worse fails; the aim is 15 % (issue 12)."""
     s = validate(published_measurements()).stats
     assert s["n"] == 70
-    assert s["median_abs_error"] <= 0.25
+    assert s["median_abs_error"] <= 0.20
     assert s["spearman"] >= 0.95
 
 
@@ -68,7 +68,7 @@ def test_a_step_time_stands_for_the_throughput():
                               global_batch_size=64)
     m = Measurement(config, step_time_s=2.0)
     assert m.measured_tokens_per_s_per_gpu == pytest.approx(64 * 4096 / 2.0 / 8)
-    with pytest.raises(ConfigError, match="needs tokens_per_s_per_gpu, step_time_s or peak_memory_bytes"):
+    with pytest.raises(ConfigError, match="needs tokens_per_s_per_gpu, step_time_s, peak_memory_bytes or mfu"):
         Measurement(config)
     with pytest.raises(ConfigError, match="step_time_s=-1.0 must be a positive number"):
         Measurement(config, step_time_s=-1.0)

@@ -9,7 +9,7 @@ from workbench.predict.perf import predict_step
 from workbench.predict.references import KORTHIKANTI_A100, MEGATRON_H100
 
 
-@pytest.mark.parametrize("row", MEGATRON_H100 + KORTHIKANTI_A100[:1], ids=lambda r: r.name)
+@pytest.mark.parametrize("row", MEGATRON_H100 + KORTHIKANTI_A100[:1], ids=lambda r: r.label)
 def test_published_mfu_within_5_points(row):
     pred = predict_step(row.config)
     assert abs(pred.mfu - row.mfu) <= 0.05, (pred.mfu, row.mfu)

@@ -195,7 +195,7 @@ ep_table.round(3)
 ref_rows = []
 for row in MEGATRON_H100 + KORTHIKANTI_A100:
     pred = predict_step(row.config)
-    ref_rows.append({"run": row.name, "plan": row.config.plan.describe(), "GPUs": row.config.world_size,
+    ref_rows.append({"run": row.label, "plan": row.config.plan.describe(), "GPUs": row.config.world_size,
                      "published MFU": row.mfu, "predicted MFU": pred.mfu,
                      "published step (s)": row.step_time_s, "predicted step (s)": pred.step_time_s})
 refs = pd.DataFrame(ref_rows).set_index("run")

@@ -33,7 +33,7 @@ from typing import Any, Iterable
 from workbench.spec.config import RunConfig, build_run_config
 from workbench.spec.errors import ConfigError, require
 from workbench.spec.model import ModelSpec
-from workbench.predict.perf import predict_step
+from workbench.predict.perf import mfu, predict_step
 from workbench.predict.stats import percentile, spearman
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -47,12 +47,15 @@ _TRAIN_COLUMNS = ("seq_len", "micro_batch_size", "global_batch_size", "recompute
 
 @dataclass(frozen=True)
 class Measurement:
-    """What a real run of ``config`` measured. At least one of the three values is given."""
+    """What a real run of ``config`` measured. At least one value is given; ``mfu`` is a published
+    MFU by the planner's convention (:func:`~workbench.predict.perf.mfu`), for reports that give
+    no throughput."""
 
     config: RunConfig
     tokens_per_s_per_gpu: float | None = None
     step_time_s: float | None = None
     peak_memory_bytes: int | None = None
+    mfu: float | None = None
     label: str = ""
     framework: str = ""
     source: str = ""
@@ -60,8 +63,9 @@ class Measurement:
     def __post_init__(self) -> None:
         given = {k: v for k, v in (("tokens_per_s_per_gpu", self.tokens_per_s_per_gpu),
                                    ("step_time_s", self.step_time_s),
-                                   ("peak_memory_bytes", self.peak_memory_bytes)) if v is not None}
-        require(bool(given), "a measurement needs tokens_per_s_per_gpu, step_time_s or peak_memory_bytes",
+                                   ("peak_memory_bytes", self.peak_memory_bytes), ("mfu", self.mfu))
+                 if v is not None}
+        require(bool(given), "a measurement needs tokens_per_s_per_gpu, step_time_s, peak_memory_bytes or mfu",
                 field="tokens_per_s_per_gpu")
         for name, value in given.items():
             require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
@@ -69,11 +73,14 @@ class Measurement:
 
     @property
     def measured_tokens_per_s_per_gpu(self) -> float | None:
-        """Tokens/s per GPU, from the step time when only that was measured."""
+        """Tokens/s per GPU, from the step time or the MFU when only that was published."""
         if self.tokens_per_s_per_gpu is not None:
             return self.tokens_per_s_per_gpu
-        if self.step_time_s is not None:
-            return self.config.tokens_per_step / self.step_time_s / self.config.world_size
+        step = self.step_time_s
+        if step is None and self.mfu is not None:
+            step = mfu(self.config, 1.0) / self.mfu  # MFU is inversely proportional to the step time
+        if step is not None:
+            return self.config.tokens_per_step / step / self.config.world_size
         return None
 
 

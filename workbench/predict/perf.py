@@ -46,8 +46,11 @@ class Efficiency:
 
     matmul: large bf16 GEMMs in training reach 0.70-0.75 of dense peak on H100 and A100
       (cuBLAS at the shapes of 2k-16k hidden sizes).
-    attention: FlashAttention-2 forward + backward reaches ~0.45-0.5 of peak on H100
-      (Dao 2023, Fig. 6-7: 335-338 TFLOP/s fwd+bwd causal at head dim 128).
+    attention: FlashAttention-2 forward + backward reaches 0.34 of peak on H100 (Dao 2023,
+      Fig. 7: 335-338 TFLOP/s fwd+bwd, causal, head dim 128, against the 989 TFLOP/s dense bf16
+      peak; the paper counts a causal kernel's FLOPs as half the full ones, as the context of
+      seq_len / 2 below does). FlashAttention-3's Hopper kernels reach ~0.6-0.75; a profile for
+      them would raise it.
     memory: element-wise kernels reach ~0.7-0.8 of HBM bandwidth.
     gemm_half_dim: the smallest GEMM dimension at which a GEMM runs at half the large-GEMM rate
       (see :func:`_gemm_efficiency`).
@@ -60,7 +63,7 @@ class Efficiency:
     """
 
     matmul: float = 0.75
-    attention: float = 0.45
+    attention: float = 0.34
     memory: float = 0.75
     elementwise_bytes_per_hidden: float = 32.0
     elementwise_bytes_per_ff: float = 4.0

@@ -8,21 +8,11 @@ recompute, 1.10 s per iteration and 41.5% MFU (1.42 s with full recompute).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from workbench.spec.cluster import Cluster
 from workbench.spec.config import RunConfig, TrainSettings
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
-
-
-@dataclass(frozen=True)
-class Measurement:
-    name: str
-    config: RunConfig
-    mfu: float | None = None
-    tflops_per_gpu: float | None = None
-    step_time_s: float | None = None
+from workbench.predict.measurements import Measurement
 
 
 def _gpt(layers: int, hidden: int, heads: int, vocab: int) -> ModelSpec:
@@ -39,7 +29,8 @@ def _h100_row(name: str, layers: int, hidden: int, heads: int, tp: int, pp: int,
     # Megatron-Core's distributed optimizer shards optimizer states over data parallel (ZeRO-1).
     plan = ParallelPlan(tp=tp, pp=pp, zero_stage=1, sequence_parallel=tp > 1)
     train = TrainSettings(seq_len=4096, micro_batch_size=1, global_batch_size=gbs).with_precision("bf16-megatron")
-    return Measurement(name, RunConfig(model, cluster, plan, train), mfu=mfu, tflops_per_gpu=tflops)
+    return Measurement(RunConfig(model, cluster, plan, train), mfu=mfu, label=name, framework="megatron",
+                       source=f"Megatron-Core on H100 SXM 80 GB: {tflops} TFLOP/s per GPU published, MFU = / 989.4")
 
 
 MEGATRON_H100 = (
@@ -57,7 +48,9 @@ def _korthikanti(recompute: str, step_time_s: float, mfu: float | None) -> Measu
     # accounting assumes.
     train = TrainSettings(seq_len=2048, micro_batch_size=4, global_batch_size=4, recompute=recompute,
                           attention="eager", dropout=True).with_precision("bf16-megatron")
-    return Measurement(f"gpt-22b a100 {recompute}", RunConfig(model, cluster, plan, train), mfu=mfu, step_time_s=step_time_s)
+    return Measurement(RunConfig(model, cluster, plan, train), mfu=mfu, step_time_s=step_time_s,
+                       label=f"gpt-22b a100 {recompute}", framework="megatron",
+                       source="Korthikanti et al. 2022, Table 4 / section 6")
 
 
 KORTHIKANTI_A100 = (
