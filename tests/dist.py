@@ -110,6 +110,26 @@ def timing_priority() -> Iterator[None]:
             pass
 
 
+@contextlib.contextmanager
+def cores_kept_awake(limit_s: float = 600.0) -> Iterator[None]:
+    """One spinning process per core at the lowest priority (nice 19) while the block runs.
+
+    On a virtual machine an idle vCPU halts, and waking it for a rank whose message arrived costs
+    a round trip through the hypervisor: hundreds of microseconds, at random, on a collective
+    that takes a few hundred. The spinners keep every vCPU running; at nice 19 a spinner weighs
+    1/68 of a nice-0 rank, so the scheduler hands the core to a woken rank at once. Each spinner
+    also ends by itself after ``limit_s``."""
+    code = f"import time\nend = time.monotonic() + {limit_s}\nwhile time.monotonic() < end: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", code], preexec_fn=lambda: os.nice(19))
+                for _ in range(len(os.sched_getaffinity(0)))]
+    try:
+        yield
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+
+
 def _worker_main(target: str, args_json: str) -> None:
     """One rank: import the test module (tests/ is on sys.path: this script's folder), call the
     function, then end the process group it made, together with the other ranks."""

@@ -293,7 +293,6 @@ def time_series(op: str, gs: GroupSet, ctx: Context, fused_rs: bool) -> list[Com
 
 
 def versions(backend: str) -> dict:
-
     out = {"python": platform.python_version(), "torch": torch.__version__, "workbench": workbench_version(),
            "hostname": socket.gethostname(), "start_time": _dt.datetime.now(_dt.timezone.utc).isoformat()}
     if torch.cuda.is_available():
