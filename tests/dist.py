@@ -96,21 +96,6 @@ def _timing_priority() -> None:
 
 
 @contextlib.contextmanager
-def timing_priority() -> Iterator[None]:
-    """This process at timing priority (:func:`_timing_priority`) while the block runs, so that the
-    jobs it starts there (the product's own launchers, say) inherit it; then back as it was."""
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    _timing_priority()
-    try:
-        yield
-    finally:
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, before)
-        except OSError:  # an unprivileged user cannot lower its nice value again; nothing was raised then
-            pass
-
-
-@contextlib.contextmanager
 def cores_kept_awake(limit_s: float = 600.0) -> Iterator[None]:
     """One spinning process per core at the lowest priority (nice 19) while the block runs.
 
