@@ -215,7 +215,7 @@ def test_four_rank_benchmark_times_every_group_of_the_plan(tmp_path) -> None:
     assert "dim=tp  group_size=2  tier=intra_node" in table and "dim=world  group_size=4  tier=inter_node" in table
 
 
-FIT_NOISE = 0.25  # in-sample RMS relative error of an alpha-beta fit that marks a noisy measurement
+FIT_NOISE = 0.2  # in-sample RMS relative error of an alpha-beta fit that marks a noisy measurement
 
 
 @pytest.mark.multiprocess
@@ -234,18 +234,22 @@ def test_calibration_predicts_held_back_sizes(tmp_path, nodes: int, tier: str) -
     sizes = size_ladder(2 << 20)
     held = set(sizes[1::2])
     assert max(held) < max(sizes) and min(held) > min(sizes)  # interpolation only
-    # A measurement is taken again (at most twice) when its own fit says it is noisy, before the
-    # held-back sizes are looked at: an in-sample RMS error above FIT_NOISE means bursts of the
-    # shared machine landed in the sample medians. The held-back check below is the same either way.
-    for attempt in range(3):
+    # A measurement is taken again (at most 3 times) when its own fit says it is noisy, and the
+    # least noisy one is kept, all before the held-back sizes are looked at: an in-sample RMS error
+    # above FIT_NOISE means bursts of the shared machine landed in the sample medians. The
+    # held-back check below is the same whichever measurement it gets.
+    measured = []
+    for attempt in range(4):
         with cores_kept_awake():  # a halted vCPU's wake-up would time the hypervisor, not the collective
             results = run_comms_benchmark(cluster, "dp_shard=2", tmp_path, run_id=f"bench{attempt}", sizes=sizes,
                                           dims=("world",), point_budget_s=0.1, min_samples=9, stream=lambda line: None)
         report = calibration_report([results], select=lambda r: r.requested_bytes not in held)
-        noisy = [f"{f.op} {f.rms_rel_error:.0%}" for f in report.links if f.rms_rel_error > FIT_NOISE]
-        print(f"attempt {attempt + 1}: in-sample fit RMS above {FIT_NOISE:.0%}: {', '.join(noisy) or 'none'}")
-        if not noisy:
+        worst = max(f.rms_rel_error for f in report.links)
+        print(f"attempt {attempt + 1}: largest in-sample fit RMS error {worst:.0%}")
+        measured.append((worst, attempt, results, report))
+        if worst <= FIT_NOISE:
             break
+    _, _, results, report = min(measured, key=lambda m: m[:2])
     assert {(r.tier, r.group_size) for r in results.rows} == {(tier, 2)}
     print(format_fit(report))
     errors = prediction_errors(report.cluster, [r for r in results.rows if r.requested_bytes in held])
