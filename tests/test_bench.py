@@ -243,12 +243,17 @@ def test_calibration_predicts_held_back_sizes(tmp_path, nodes: int, tier: str) -
         with cores_kept_awake():  # a halted vCPU's wake-up would time the hypervisor, not the collective
             results = run_comms_benchmark(cluster, "dp_shard=2", tmp_path, run_id=f"bench{attempt}", sizes=sizes,
                                           dims=("world",), point_budget_s=0.1, min_samples=9, stream=lambda line: None)
-        report = calibration_report([results], select=lambda r: r.requested_bytes not in held)
+        try:
+            report = calibration_report([results], select=lambda r: r.requested_bytes not in held)
+        except ConfigError as refused:  # the fit itself refused the measurement: the noisiest kind
+            print(f"attempt {attempt + 1}: no fit ({refused})")
+            continue
         worst = max(f.rms_rel_error for f in report.links)
         print(f"attempt {attempt + 1}: largest in-sample fit RMS error {worst:.0%}")
         measured.append((worst, attempt, results, report))
         if worst <= FIT_NOISE:
             break
+    assert measured, "no measurement of four could be fitted"
     _, _, results, report = min(measured, key=lambda m: m[:2])
     assert {(r.tier, r.group_size) for r in results.rows} == {(tier, 2)}
     print(format_fit(report))
