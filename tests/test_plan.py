@@ -101,7 +101,6 @@ def run(plan, model="llama3-8b", cluster=H100, **train):
         (ParallelPlan(tp=16, dp_shard=2), {}, "tp=16 does not divide n_kv_heads=8"),
         (ParallelPlan(tp=8, dp_shard=3), {}, "pp x dp_replicate x dp_shard x cp x tp = 1 x 1 x 3 x 1 x 8 = 24 differs from the world size 32"),
         (ParallelPlan(tp=8, pp=3), {}, "world size 32 is not divisible by pp x dp_replicate x cp x tp = 3 x 1 x 1 x 8 = 24"),
-        (ParallelPlan(pp=4, tp=8, pp_schedule="1f1b"), {"global_batch_size": 2}, "n_microbatches >= pp"),
         (ParallelPlan(pp=4, tp=8, pp_schedule="1f1b", virtual_stages=2), {}, "virtual_stages=2 needs an interleaved schedule"),
         (ParallelPlan(pp=4, tp=8, pp_schedule="zbv"), {}, "virtual_stages=1 must be 2"),
         (ParallelPlan(cp=2, tp=8), {"seq_len": 4098}, "seq_len=4098 is not divisible by 2 x cp = 4"),
@@ -114,6 +113,19 @@ def run(plan, model="llama3-8b", cluster=H100, **train):
 def test_validation_spells_out_the_rule(plan, train, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
         run(plan, **train)
+
+
+def test_schedule_torch_refuses_is_planned_with_a_note_and_refused_by_the_trainer():
+    """1F1B with fewer micro-batches than stages: torch's Schedule1F1B refuses it, Megatron runs it.
+    The planner accepts and notes it; the bundled trainer (torch's schedules) refuses it."""
+    from workbench.spec.config import plan_notes
+    from workbench.spec.trainable import check_trainable
+
+    cfg = run(ParallelPlan(pp=4, tp=8, pp_schedule="1f1b"), global_batch_size=2)
+    assert cfg.n_microbatches == 2
+    assert any("n_microbatches >= pp" in note for note in plan_notes(cfg))
+    with pytest.raises(ConfigError, match="n_microbatches >= pp"):
+        check_trainable(cfg)
 
 
 def test_expert_parallel_rules():

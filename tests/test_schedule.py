@@ -12,6 +12,7 @@ compute (every send/recv list it hands out is empty, so no communication is issu
 from __future__ import annotations
 
 import logging
+import re
 import time
 import types
 
@@ -23,6 +24,8 @@ from torch.distributed.pipelining import schedules as tsched  # noqa: E402
 from workbench import Cluster, ConfigError, ModelSpec, ParallelPlan, RunConfig, TrainSettings  # noqa: E402
 from workbench.predict import pipeline as S  # noqa: E402
 from workbench.spec import schedules  # noqa: E402
+from workbench.spec.config import plan_notes  # noqa: E402
+from workbench.spec.trainable import check_trainable  # noqa: E402
 from workbench.spec.plan import SCHEDULES  # noqa: E402
 
 logging.getLogger("torch.distributed.pipelining").setLevel(logging.ERROR)
@@ -101,17 +104,23 @@ def torch_multi_order(name: str, p: int, m: int, v: int) -> dict[int, list]:
     return {r: compute_only(acts) for r, acts in sched.pipeline_order_with_comms.items()}
 
 
+def torch_builds(name: str, p: int, m: int, v: int) -> bool:
+    """What our rules say torch constructs: a defined schedule within torch's limits."""
+    try:
+        schedules.check_schedule(name, p, m, v)
+    except ConfigError:
+        return False
+    return not schedules.torch_schedule_limits(name, p, m, v)
+
+
 def grid(name: str):
     """(p, m, v) torch accepts: m in p, 2p, 3p and a few awkward ones (fewer than p, odd)."""
     vs = (1,) if name in SINGLE else (2,) if name in ("zbv", "dualpipev") else (1, 2, 3)
     for p in (2, 3, 4, 5):
         for v in vs:
             for m in sorted({1, p - 1, p, p + 1, 2 * p, 2 * p + 1, 3 * p, 4 * p - 1} - {0}):
-                try:
-                    schedules.check_schedule(name, p, m, v)
-                except ConfigError:
-                    continue
-                yield p, m, v
+                if torch_builds(name, p, m, v):
+                    yield p, m, v
 
 
 @pytest.mark.parametrize("name", list(SINGLE))
@@ -141,6 +150,7 @@ def test_gpipe_ir_agrees_with_its_step_loop():
 
 
 def test_validation_accepts_exactly_what_torch_accepts():
+    """check_schedule plus torch_schedule_limits is torch's constructors' verdict, case by case."""
     for name in SCHEDULES:
         for p in (2, 3, 4):
             for v in (1, 2, 3):
@@ -155,12 +165,7 @@ def test_validation_accepts_exactly_what_torch_accepts():
                         torch_ok = True
                     except ValueError:
                         torch_ok = False
-                    try:
-                        schedules.check_schedule(name, p, m, v)
-                        ours = True
-                    except ConfigError:
-                        ours = False
-                    assert ours == torch_ok, (name, p, m, v, torch_ok)
+                    assert torch_builds(name, p, m, v) == torch_ok, (name, p, m, v, torch_ok)
 
 
 def test_stage_placement_matches_plan_and_torch():
@@ -182,8 +187,9 @@ def test_stage_placement_matches_plan_and_torch():
 # ---------------------------------------------------------------------------- equal stage times
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_gpipe_and_1f1b_bubble_closed_form(name):
+    """Every m, 1F1B's m < p too (torch refuses it; predicted as the degenerate pipeline, GPipe)."""
     for p in (2, 4, 8):
-        for m in range(1 if name == "gpipe" else p, 4 * p + 1):
+        for m in range(1, 4 * p + 1):
             res = S.simulate_schedule(name, p, m)
             assert res.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (p, m)
             assert res.step_time == (m + p - 1) * 3  # f = 1, b = 2 per stage
@@ -191,9 +197,9 @@ def test_gpipe_and_1f1b_bubble_closed_form(name):
 
 
 def test_interleaved_bubble_ratio_closed_form():
-    """(p-1)/(v m) relative to the busy time holds exactly for every m >= p torch accepts
-    (torch's rounds relax Megatron's m % p == 0); with m < p the pipeline never fills and the
-    bubble is larger."""
+    """(p-1)/(v m) relative to the busy time holds exactly for every m >= p: in torch's rounds
+    (which relax Megatron's m % p == 0), and where torch refuses them, in Megatron-core's rounds
+    (schedules.round_size); with m < p the pipeline never fills and the bubble is larger."""
     exact = 0
     for p in (2, 3, 4):
         for v in (2, 3):
@@ -355,13 +361,17 @@ def test_bad_input_names_field_value_and_rule():
     assert e.value.field == "virtual_stages" and e.value.value == 2
     with pytest.raises(ConfigError, match="virtual_stages=3 must be 2"):
         S.schedule_order("zbv", 4, 8, 3)
-    with pytest.raises(ConfigError, match="n_microbatches=3 < pp=4") as e:
-        S.simulate_schedule("1f1b", 4, 3)
-    assert e.value.field == "n_microbatches" and e.value.value == 3
-    with pytest.raises(ConfigError, match=r"n_microbatches=7 < 4 x 2 = 8"):
+    # what only torch refuses is simulated; its limits say why torch would refuse it
+    assert S.simulate_schedule("1f1b", 4, 3).step_time == S.simulate_schedule("gpipe", 4, 3).step_time
+    assert schedules.torch_schedule_limits("1f1b", 4, 3) == [
+        "pp_schedule=1f1b with n_microbatches=3 < pp=4: torch.distributed.pipelining refuses it "
+        "(Schedule1F1B needs n_microbatches >= pp to fill the pipeline)"]
+    with pytest.raises(ConfigError, match=r"n_microbatches=7 < 4 x 2 = 8") as e:
         S.simulate_schedule("dualpipev", 4, 7, 2)
-    with pytest.raises(ConfigError, match=r"max\(1, 9 // 4\) = 2.*9 % 2 = 1.*nearest valid: 8 or 10"):
-        S.simulate_schedule("interleaved-1f1b", 4, 9, 2)
+    assert e.value.field == "n_microbatches" and e.value.value == 7
+    assert S.simulate_schedule("interleaved-1f1b", 4, 9, 2).n_microbatches == 9
+    (why,) = schedules.torch_schedule_limits("interleaved-1f1b", 4, 9, 2)
+    assert re.search(r"max\(1, 9 // 4\) = 2.*9 % 2 = 1.*nearest valid: 8 or 10", why), why
     with pytest.raises(ConfigError, match="stage_times has 3 entries"):
         S.simulate_schedule("1f1b", 4, 8, stage_times=[(1, 2)] * 3)
     with pytest.raises(ConfigError, match="negative"):
@@ -378,11 +388,17 @@ def test_plan_validation_spells_out_the_microbatch_arithmetic():
         train = TrainSettings(seq_len=4096, micro_batch_size=1, global_batch_size=gbs)
         return RunConfig(model, cluster, ParallelPlan.parse(plan), train)
 
-    with pytest.raises(ConfigError, match=r"= 18 / \(1 x 2\) = 9 micro-batches: .*9 % 2 = 1") as e:
-        run("pp=4,tp=1,schedule=interleaved-1f1b,v=2", 18)
-    assert e.value.field == "global_batch_size"
-    with pytest.raises(ConfigError, match=r"= 12 / \(1 x 2\) = 6 micro-batches: .*n_microbatches=6 < 4 x 2 = 8"):
+    # rounds torch refuses: planned (with a note), refused by the bundled trainer, arithmetic spelled out
+    cfg = run("pp=4,tp=1,schedule=interleaved-1f1b,v=2", 18)
+    assert cfg.n_microbatches == 9
+    (note,) = plan_notes(cfg)
+    assert "9 % 2 = 1" in note and "predicted in rounds of 5 micro-batches and a last one of 4" in note
+    with pytest.raises(ConfigError, match=r"= 18 / \(1 x 2\) = 9 micro-batches: .*9 % 2 = 1"):
+        check_trainable(cfg)
+    # DualPipeV is defined only from 2 pp micro-batches: refused by the planner too
+    with pytest.raises(ConfigError, match=r"= 12 / \(1 x 2\) = 6 micro-batches: .*n_microbatches=6 < 4 x 2 = 8") as e:
         run("pp=4,tp=1,schedule=dualpipev,v=2", 12)
+    assert e.value.field == "global_batch_size"
     # what torch accepts passes: zero bubble with one stage per rank, ZBV with fewer than pp micro-batches
     assert run("pp=4,tp=1,schedule=zero-bubble,v=1", 8).n_microbatches == 4
     assert run("pp=4,tp=1,schedule=zbv,v=2", 4).n_microbatches == 2

@@ -15,17 +15,22 @@ from typing import Any, Callable
 import click
 
 from workbench.spec.cluster import GPUS, Cluster
-from workbench.spec.config import PRECISIONS, RunConfig, TrainSettings, build_cluster, build_model, build_run_config
-from workbench.spec.errors import ConfigError
+from workbench.spec.config import (PRECISIONS, RunConfig, TrainSettings, build_cluster, build_model,
+                                   build_run_config, plan_notes)
+from workbench.spec.errors import ConfigError, require
+from workbench.spec.framework import DEFAULT_FRAMEWORK, FRAMEWORKS, resolve_framework
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
 from workbench.spec.schedules import SCHEDULES
 from workbench.predict.advisor import advise
 from workbench.predict.comms import traffic_by_dim
-from workbench.predict.measurements import load_measurements, published_measurements, validate as validate_measurements
+from workbench.predict.fit import fit_report
+from workbench.predict.measurements import published_measurements, validate as validate_measurements
 from workbench.predict.memory import estimate_memory
+from workbench.predict.perf import describe_step
 from workbench.rundir.benchmarks import format_table
 from workbench.rundir.compare import compare_run
+from workbench.rundir.measured import load_measured
 from workbench.launch.benchmark import run_comms_benchmark
 from workbench.launch.local import config_from_cli, resume_local, train_local
 from workbench.bench import calibration_report, format_fit, run_compute_benchmark
@@ -100,6 +105,9 @@ def train_options(f: Callable) -> Callable:
         click.option("--precision", default="bf16-megatron", show_default=True, help=f"{', '.join(PRECISIONS)}."),
         click.option("--optimizer", default="adamw", show_default=True, help="adamw | adam | sgd."),
         click.option("--dropout", is_flag=True, default=False, help="Keep dropout masks (Korthikanti's accounting)."),
+        click.option("--framework", default=DEFAULT_FRAMEWORK, show_default=True,
+                     help=f"Framework profile: {', '.join(FRAMEWORKS)}, or a profile JSON "
+                          "(workbench calibrate --measured writes one)."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -113,7 +121,7 @@ def _split(kw: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
 DEGREE_KEYS = ("tp", "pp", "cp", "ep", "dp_replicate", "dp_shard", "zero_stage", "schedule",
                "virtual_stages", "sequence_parallel", "loss_parallel")
 TRAIN_KEYS = ("seq_len", "micro_batch_size", "global_batch_size", "recompute", "attention",
-              "optimizer", "dropout")
+              "optimizer", "dropout", "framework")
 
 
 def build_train(precision: str, **kw: Any) -> TrainSettings:
@@ -159,6 +167,7 @@ def describe_config(config: RunConfig) -> list[str]:
         f"seq {t.seq_len}, micro-batch {t.micro_batch_size}, global batch {t.global_batch_size} "
         f"({config.n_microbatches} micro-batches per DP rank), recompute {t.recompute}, "
         f"attention {t.attention}, precision {t.precision or 'custom'}",
+        f"framework {t.profile.name}: predictions {t.profile.describe_band()}",
     ]
 
 
@@ -304,10 +313,39 @@ def bench_compute(model: str, hf_config: str | None, tp: int, tokens: int | None
 
 
 @main.command()
-@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True))
-@click.option("-o", "--output", type=click.Path(), required=True, help="The calibrated cluster JSON to write.")
-def calibrate(results: tuple[str, ...], output: str) -> None:
-    """Fit latency and bandwidth per link tier and collective (and FLOP/s) to benchmark results."""
+@click.argument("results", nargs=-1, type=click.Path(exists=True))
+@click.option("--measured", "measured_paths", multiple=True, type=click.Path(),
+              help="A CSV of measured runs or a run directory of the bundled trainer (repeatable): fit a "
+                   "framework profile to them instead of a cluster to benchmark results.")
+@click.option("--framework", default="megatron", show_default=True,
+              help=f"With --measured: the profile to refit ({', '.join(FRAMEWORKS)} or a profile JSON).")
+@click.option("--name", default=None, help="With --measured: the fitted profile's name (default <base>-fitted).")
+@click.option("-o", "--output", type=click.Path(), required=True,
+              help="The calibrated cluster JSON (or, with --measured, the fitted profile JSON) to write.")
+def calibrate(results: tuple[str, ...], measured_paths: tuple[str, ...], framework: str, name: str | None,
+              output: str) -> None:
+    """Fit latency and bandwidth per link tier and collective (and FLOP/s) to benchmark results;
+    or, with --measured, a framework profile's constants to measured runs (see workbench/predict/fit.py).
+
+    The --measured CSV's columns: the model (``model`` preset, ``hf_config`` path, or shape columns
+    n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, ...); ``gpu`` or ``cluster`` and
+    ``n_gpus``; ``plan`` as a string ("tp=8,pp=4"); seq_len, micro_batch_size, global_batch_size,
+    recompute, precision; measured ``tokens_per_s_per_gpu`` and/or ``step_time_s``, optional
+    ``peak_memory_gib``; label, framework, source, notes."""
+    if measured_paths:
+        require(not results, "give benchmark results or --measured runs, not both", field="measured")
+        base = resolve_framework(framework)
+        report = fit_report(load_measured(list(measured_paths), base), base=base, name=name)
+        with open(output, "w") as f:
+            f.write(json.dumps({"profile": report.profile.to_dict(),
+                                "report": {"method": report.method, "stats": report.stats(),
+                                           "in_sample": report.stats(held_out=False),
+                                           "values": report.values}}, indent=2) + "\n")
+        click.echo(report.format())
+        click.echo(f"fitted profile: {output} ({report.profile.describe_band()}; use it as: "
+                   f"workbench plan --framework {output})")
+        return
+    require(bool(results), "calibrate needs benchmark result files, or --measured runs", field="results")
     report = calibration_report(list(results))
     with open(output, "w") as f:
         f.write(report.cluster.to_json())
@@ -317,14 +355,18 @@ def calibrate(results: tuple[str, ...], output: str) -> None:
 
 # ---------------------------------------------------------------------------- validate
 @main.command()
-@click.option("--measured", "measured_path", type=click.Path(), default=None,
-              help="A CSV of measured runs (columns: see workbench/predict/measurements.py); "
-                   "default: the published tables that ship with workbench.")
+@click.option("--measured", "measured_paths", multiple=True, type=click.Path(),
+              help="A CSV of measured runs (columns: see workbench calibrate --help) or a run directory "
+                   "(repeatable); default: the published tables that ship with workbench.")
+@click.option("--framework", default=None,
+              help=f"Price every run under this profile ({', '.join(FRAMEWORKS)} or a profile JSON); "
+                   "default: each row's own framework column.")
 @click.option("--json", "as_json", is_flag=True, help="Print rows and statistics as JSON.")
-def validate(measured_path: str | None, as_json: bool) -> None:
+def validate(measured_paths: tuple[str, ...], framework: str | None, as_json: bool) -> None:
     """Predicted next to measured tokens/s per GPU for every measured run: median and p90 error,
     and the rank correlation."""
-    measurements = load_measurements(measured_path) if measured_path else published_measurements()
+    profile = resolve_framework(framework) if framework else None  # a bad name fails here, once
+    measurements = load_measured(list(measured_paths), profile) if measured_paths else published_measurements(profile)
     result = validate_measurements(measurements)
     if as_json:
         click.echo(json.dumps({"rows": [{"label": r.label, "predicted": r.predicted, "measured": r.measured,
@@ -374,15 +416,18 @@ def plan(model: str, hf_config: str | None, cluster_name: str, nodes: int, top: 
     for c in advice:
         click.echo("")
         click.echo(f"#{c.rank} {c.summary()}")
+        click.echo(f"    {describe_step(c.prediction.step_time_s, c.config.train.profile)}")
         for line in c.explanation:
             click.echo(f"    - {line}")
+        for note in plan_notes(c.config):  # e.g. a schedule torch refuses, predicted as Megatron runs it
+            click.echo(f"note: {note}")
 
 
 def advice_to_dict(advice: Any) -> dict:
     def cand(c: Any) -> dict:
         return {"rank": c.rank, "plan": c.plan.to_dict(), "micro_batch_size": c.train.micro_batch_size,
                 "recompute": c.train.recompute, "memory": c.memory.to_dict(), "prediction": c.prediction.to_dict(),
-                "explanation": list(c.explanation)}
+                "explanation": list(c.explanation), "notes": plan_notes(c.config)}
     b = advice.baseline
     return {
         "candidates": [cand(c) for c in advice],

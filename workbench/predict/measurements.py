@@ -18,7 +18,10 @@ The CSV columns (one run a row; empty cells are unset):
 * the plan as a string (``plan``: ``"dp_shard=64,zero=3"``, ``"tp=8,pp=4"``);
 * ``seq_len, micro_batch_size, global_batch_size, recompute, precision`` (a recipe);
 * measured: ``tokens_per_s_per_gpu`` and/or ``step_time_s``, optionally ``peak_memory_gib``;
-* ``label, framework, source, notes``: kept with the row.
+* ``framework``: the profile the row is priced under (a name of
+  :data:`~workbench.spec.framework.FRAMEWORKS` or a profile ``.json``; empty: the caller's, else
+  ``bundled``);
+* ``label, source, notes``: kept with the row.
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ from __future__ import annotations
 import csv
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
 from workbench.spec.config import RunConfig, build_run_config
 from workbench.spec.errors import ConfigError, require
+from workbench.spec.framework import FrameworkProfile, resolve_framework
 from workbench.spec.model import ModelSpec
 from workbench.predict.perf import mfu, predict_step
 from workbench.predict.stats import percentile, spearman
@@ -111,9 +115,10 @@ def _number(r: dict[str, str], name: str, row: int, kind: type = float) -> Any:
         raise ConfigError(f"row {row}: {name}={text!r} is not a number", field=name, value=text) from None
 
 
-def measurement_from_row(r: dict[str, str], row: int) -> Measurement:
+def measurement_from_row(r: dict[str, str], row: int, framework: "str | FrameworkProfile | None" = None) -> Measurement:
     """One CSV row (as :class:`csv.DictReader` gives it) -> Measurement, by the one RunConfig
-    builder. Raises :class:`ConfigError` naming the row and the field."""
+    builder, priced under ``framework`` if given, else the row's ``framework`` column. Raises
+    :class:`ConfigError` naming the row and the field."""
     r = {k: (v or "").strip() for k, v in r.items() if k is not None}
     shape = {k: _value(k, v, row) for k, v in r.items() if k in _MODEL_FIELDS and k != "name" and v}
     label = r.get("label", "")
@@ -130,6 +135,9 @@ def measurement_from_row(r: dict[str, str], row: int) -> Measurement:
                     f"the shape gives {model.n_params():,} parameters, the table {published:,}",
                     field="params_published", value=published)
         train = {k: (_number(r, k, row, int) if k != "recompute" else r[k]) for k in _TRAIN_COLUMNS if r.get(k)}
+        profile = framework if framework is not None else (r.get("framework") or None)
+        if profile is not None:
+            train["framework"] = resolve_framework(profile)
         config = build_run_config(model, cluster=r.get("cluster") or None, gpu=r.get("gpu") or None,
                                   gpus=_number(r, "n_gpus", row, int), plan=r.get("plan", ""),
                                   precision=r.get("precision") or None, **train)
@@ -137,27 +145,35 @@ def measurement_from_row(r: dict[str, str], row: int) -> Measurement:
         return Measurement(config, tokens_per_s_per_gpu=_number(r, "tokens_per_s_per_gpu", row),
                            step_time_s=_number(r, "step_time_s", row),
                            peak_memory_bytes=int(memory * GiB) if memory is not None else None,
-                           label=label or f"row {row}", framework=r.get("framework", ""), source=r.get("source", ""))
+                           label=label or f"row {row}", framework=config.train.profile.name, source=r.get("source", ""))
     except ConfigError as err:
         if str(err).startswith(f"row {row}:"):
             raise
         raise ConfigError(f"row {row} ({label or 'unlabelled'}): {err}", field=err.field, value=err.value) from None
 
 
-def load_measurements(path: str | os.PathLike) -> list[Measurement]:
-    """Every row of a measurements CSV (see the module docstring for the columns)."""
+def load_measurements(path: str | os.PathLike, framework: "str | FrameworkProfile | None" = None) -> list[Measurement]:
+    """Every row of a measurements CSV (see the module docstring for the columns), priced under
+    ``framework`` when given (else each row's own column)."""
     path = Path(path)
     require(path.is_file(), f"measured={str(path)!r} is not a file", field="measured", value=str(path))
     size = path.stat().st_size
     require(size <= MAX_CSV_BYTES, f"measured={str(path)!r} holds {size:,} bytes, more than the "
             f"{MAX_CSV_BYTES:,} a table of runs may", field="measured", value=str(path))
     with path.open(newline="") as f:
-        return [measurement_from_row(r, i) for i, r in enumerate(csv.DictReader(f), start=1)]
+        return [measurement_from_row(r, i, framework) for i, r in enumerate(csv.DictReader(f), start=1)]
 
 
-def published_measurements() -> list[Measurement]:
+def published_measurements(framework: "str | FrameworkProfile | None" = None) -> list[Measurement]:
     """The published tables that ship with the project (``predict/data/``)."""
-    return [m for p in PUBLISHED for m in load_measurements(p)]
+    return [m for p in PUBLISHED for m in load_measurements(p, framework)]
+
+
+def priced_under(measurement: Measurement, framework: "str | FrameworkProfile") -> Measurement:
+    """The same measurement, its config priced under another framework profile."""
+    config = measurement.config
+    train = replace(config.train, framework=resolve_framework(framework))
+    return replace(measurement, config=replace(config, train=train), framework=train.profile.name)
 
 
 # ---------------------------------------------------------------------------- validation

@@ -20,7 +20,13 @@
     pipeline receive buffers, the sequence-parallel all-gather buffer, the gradient of the logits.
 ``overhead``
     The CUDA context (``cluster.gpu.context_bytes``) and allocator fragmentation
-    (``train.allocator_fragmentation`` x everything else): explicit, never hidden in the others.
+    (``train.fragmentation``, the framework profile's unless the job sets one, x everything else):
+    explicit, never hidden in the others.
+
+Which profile (``train.framework``: bundled, megatron, fsdp or a fitted one,
+:mod:`workbench.spec.framework`) changes ``activations`` (SP inputs kept gathered, the CP ring's
+fp32 output, a RoPE cache per layer) and ``buffers`` (FSDP units in flight) and ``overhead``
+(fragmentation); the model states are the plan's (ZeRO stage, degrees) under every profile.
 
 Ranks differ: the first pipeline stage holds the most micro-batches in flight, the last holds the
 output layer and the logits. The bill is computed per pipeline rank (all ranks of one stage hold
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
+from workbench.spec.framework import MemoryConventions
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
 from workbench.predict.pipeline import in_flight_at_peak
@@ -208,7 +215,7 @@ def activation_bytes_per_layer(
     moe: bool = False,
     recompute: str | None = None,
     *,
-    bundled: bool = False,
+    conventions: MemoryConventions | None = None,
 ) -> float:
     """Bytes one block saves for backward, for one micro-batch on one rank.
 
@@ -234,13 +241,15 @@ def activation_bytes_per_layer(
     (kept for the gate-weighted combine), and the shared experts' hidden activations.
     Norm statistics (a few floats per token) are neglected, as in the paper.
 
-    ``bundled=True`` adds what the bundled trainer (torch TP, its own ring attention) keeps beyond
-    the paper's accounting, as measured by its saved-tensor hooks (workbench/trainer/memory_meter.py):
-    under sequence parallelism torch's ``PrepareModuleInput`` + ``ColwiseParallel`` keep the
-    all-gathered, full-sequence input of the QKV and MLP linears (Megatron keeps its 1/t shard
-    and all-gathers again in backward, Korthikanti section 4.2.2); the context-parallel ring keeps
-    its fp32 output besides the output projection's input; RoPE's cos and sin (2 s hd e per layer,
-    not per sequence). :func:`estimate_memory` bills the bundled trainer.
+    ``conventions`` (a framework profile's :class:`~workbench.spec.framework.MemoryConventions`;
+    None: the paper's accounting, which the ``megatron`` profile keeps) adds what a framework keeps
+    beyond it. The ``bundled`` profile's, as the bundled trainer's saved-tensor hooks measure them
+    (workbench/trainer/memory_meter.py): under sequence parallelism torch's ``PrepareModuleInput``
+    + ``ColwiseParallel`` keep the all-gathered, full-sequence input of the QKV and MLP linears
+    (Megatron keeps its 1/t shard and all-gathers again in backward, Korthikanti section 4.2.2);
+    the context-parallel ring keeps its fp32 output besides the output projection's input; RoPE's
+    cos and sin (2 s hd e per layer, not per sequence). :func:`estimate_memory` bills the job's
+    profile (``train.framework``).
     """
     recompute = train.recompute if recompute is None else recompute
     e = DTYPE_BYTES[train.compute_dtype]
@@ -281,12 +290,12 @@ def activation_bytes_per_layer(
         act += per_hidden * e * sb * model.d_ff / t
     if drop:
         act += sb * h / sp  # dropout mask after the MLP
-    if bundled:
-        if sp > 1:
+    if conventions is not None:
+        if sp > 1 and conventions.sp_inputs_gathered:
             act += 2 * e * sb * h * (1 - 1 / sp)  # QKV and MLP inputs kept all-gathered (whole, not / t)
-        if plan.cp > 1 and recompute != "selective":
+        if plan.cp > 1 and recompute != "selective" and conventions.cp_fp32_output:
             act += 4 * sb * model.q_dim / t  # ring attention's fp32 output
-        if model.position == "rope":
+        if model.position == "rope" and conventions.rope_cache_per_layer:
             act += 2 * e * (train.seq_len / plan.cp) * model.head_dim  # cos, sin
     return act
 
@@ -337,8 +346,10 @@ def estimate_memory(config: RunConfig) -> MemoryBill:
     boundary = e * sb * model.d_model / sp  # activation crossing a pipeline boundary
     zero_d = plan.shard_degree
     zero_e = max(1, plan.shard_degree // plan.ep)
-    dense_layer_act = activation_bytes_per_layer(model, train, plan, moe=False, bundled=True)
-    moe_layer_act = activation_bytes_per_layer(model, train, plan, moe=True, bundled=True) if model.is_moe else 0.0
+    conventions = train.profile.memory
+    dense_layer_act = activation_bytes_per_layer(model, train, plan, moe=False, conventions=conventions)
+    moe_layer_act = (activation_bytes_per_layer(model, train, plan, moe=True, conventions=conventions)
+                     if model.is_moe else 0.0)
     stride = config.world_size // plan.pp
     context = config.cluster.gpu.context_bytes
     out = []
@@ -379,7 +390,8 @@ def estimate_memory(config: RunConfig) -> MemoryBill:
             act += held * per_mb
             if train.recompute == "full":
                 # backward recomputes one block at a time: its full activations are live once
-                full_layer = activation_bytes_per_layer(model, train, plan, moe=n_moe > 0, recompute="none", bundled=True)
+                full_layer = activation_bytes_per_layer(model, train, plan, moe=n_moe > 0, recompute="none",
+                                                        conventions=conventions)
                 working_layer = max(working_layer, full_layer)
             # torch.distributed.pipelining's PipelineStage allocates a receive buffer per
             # micro-batch: activations on every stage but the first, gradients on all but the last.
@@ -388,8 +400,8 @@ def estimate_memory(config: RunConfig) -> MemoryBill:
         comps["activations"] = act + working_layer
         buffers = pp_buffers
         if zero_d > 1 and plan.zero_stage == 3:
-            # FSDP: the unit being computed and the one prefetched, unsharded in compute dtype
-            buffers += 2 * largest_unit * e
+            # FSDP: the unit being computed and those prefetched, unsharded in compute dtype
+            buffers += conventions.fsdp_units_in_flight * largest_unit * e
         if zero_d > 1 and plan.zero_stage >= 2:
             # unsharded gradients of a unit before (and while) they are reduce-scattered
             buffers += 2 * largest_unit * grad_b
@@ -402,7 +414,7 @@ def estimate_memory(config: RunConfig) -> MemoryBill:
             buffers += 4 * sb * model.vocab_size / (t if plan.loss_parallel else 1)
         comps["buffers"] = buffers
         allocated = sum(comps.values())
-        comps["overhead"] = context + train.allocator_fragmentation * allocated
+        comps["overhead"] = context + train.fragmentation * allocated
         out.append(
             RankMemory(
                 rank=r * stride,

@@ -5,7 +5,11 @@ A pipeline schedule is, for every pipeline rank, an *order* of compute actions
 zero-bubble family, ``I`` (gradient w.r.t. the stage input, on the critical path) and ``W``
 (gradient w.r.t. the weights, free to move). :func:`schedule_order` generates that order for
 each schedule the project knows (``plan.SCHEDULES``), action for action the order that
-``torch.distributed.pipelining`` (torch 2.13) runs; the tests compare them.
+``torch.distributed.pipelining`` (torch 2.13) runs; the tests compare them. The combinations
+torch's constructors refuse but the planner predicts
+(:func:`workbench.spec.schedules.torch_schedule_limits`: 1F1B with fewer micro-batches than
+stages, interleaved rounds that do not divide the micro-batches) get the order Megatron runs
+(:func:`workbench.spec.schedules.degenerate_form`).
 
 :func:`simulate_schedule` then plays the orders against per-stage durations. Each rank runs its
 order one action at a time; an action starts when the rank is free and its inputs exist::
@@ -22,8 +26,8 @@ looped schedules put stage ``s`` on rank ``s % pp``; the V schedules (``zbv``, `
 put stages ``r`` and ``2 pp - 1 - r`` on rank ``r``, so the last stage sits next to the first.
 
 Closed forms with equal stage times (f forward, b backward per stage), checked by the tests:
-GPipe and 1F1B idle ``(p-1)/(m+p-1)`` of the step; interleaved 1F1B idles
-``(p-1)/(v m)`` relative to the busy time when ``m`` is a multiple of ``p``.
+GPipe and 1F1B idle ``(p-1)/(m+p-1)`` of the step (1F1B with m < p is GPipe); interleaved 1F1B
+idles ``(p-1)/(v m)`` relative to the busy time when ``m >= p``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from functools import cached_property
 from typing import Callable, Sequence
 
 from workbench.spec.errors import ConfigError, require
-from workbench.spec.schedules import check_schedule, stage_ranks
+from workbench.spec.schedules import check_schedule, round_size, stage_ranks
 
 Op = tuple[str, int, int]  # (kind, stage, microbatch)
 KINDS = ("F", "B", "I", "W")
@@ -149,6 +153,8 @@ def _one_f_one_b(p: int, m: int, v: int) -> list[list[Op]]:
     Warm-up: rank r runs ``p - r`` forwards (enough for the first backward to come back).
     Steady state: one backward, then one forward, until the forwards run out.
     Cool-down: the remaining ``p - r`` backwards. Stage s never holds more than p - s micro-batches.
+    With m < p (torch refuses it, Megatron runs it) the warm-up is cut to m: the ranks with
+    ``p - r >= m`` run GPipe's order, and the step is GPipe's.
     """
     orders = []
     for r in range(p):
@@ -190,7 +196,10 @@ def _interleaved(p: int, m: int, v: int, zero_bubble: bool = False) -> list[list
     (``rounds = max(1, m // p)``, torch's relaxation of Megatron's ``m % p == 0``): the k-th
     forward of a rank is for local stage ``(k // g) % v`` (depth first: a round of g
     micro-batches through one stage, then the next stage), and the j-th backward walks the local
-    stages from the last one down the same way.
+    stages from the last one down the same way. When ``rounds`` does not divide m (torch refuses
+    it: :func:`workbench.spec.schedules.torch_schedule_limits`) the rounds are Megatron-core's
+    schedule table, ``g`` = :func:`workbench.spec.schedules.round_size` micro-batches each and a
+    shorter last one of ``m % g >= p``.
 
     Warm-up: ``(v-1) g + 2 (p-1-r)`` forwards (Megatron's count when g = p; ZB-1P uses
     ``1 x (p-1-r)``: the W's it postpones fill the gap). Steady state: one forward, one backward.
@@ -198,15 +207,16 @@ def _interleaved(p: int, m: int, v: int, zero_bubble: bool = False) -> list[list
     delays rank r's W's by r backwards, so the W's fill the slots where 1F1B would wait;
     the postponed W's run at the end.
     """
-    rounds = max(1, m // p)
-    g = m // rounds
+    g = round_size(p, m)
     total = v * m
+    # (local stage, micro-batch) of a rank's k-th forward: each round through every local stage
+    table = [(c, mb) for first in range(0, m, g) for c in range(v) for mb in range(first, min(first + g, m))]
 
     def op(kind: str, r: int, k: int, backward: bool) -> Op:
-        local = (k // g) % v
+        local, mb = table[k]
         if backward:
             local = v - 1 - local
-        return (kind, local * p + r, (k // (g * v)) * g + k % g)
+        return (kind, local * p + r, mb)
 
     orders = []
     for r in range(p):

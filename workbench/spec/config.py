@@ -30,7 +30,8 @@ from workbench.spec.cluster import Cluster
 from workbench.spec.errors import ConfigError, check_choice, check_int, check_positive, require
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import PLAN_ALIASES, ParallelPlan
-from workbench.spec.schedules import check_schedule
+from workbench.spec.framework import DEFAULT_FRAMEWORK, FRAMEWORKS, FrameworkProfile, resolve_framework
+from workbench.spec.schedules import check_schedule, degenerate_form, torch_schedule_limits
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 RECOMPUTE = ("none", "selective", "full")
@@ -68,9 +69,13 @@ class TrainSettings:
     master_dtype: str | None = None
     optim_dtype: str = "fp32"
     compute_dtype: str = "bf16"
-    # Fraction of allocated bytes lost to the caching allocator's fragmentation (measured on
-    # PyTorch LLM training: reserved / allocated is typically 1.03-1.10).
-    allocator_fragmentation: float = 0.05
+    # The framework whose memory conventions and time constants price this job: a name of
+    # workbench.spec.framework.FRAMEWORKS, or a FrameworkProfile (a fitted one; a path to its JSON
+    # is read at construction, so a saved config holds the profile itself).
+    framework: "str | FrameworkProfile" = DEFAULT_FRAMEWORK
+    # Fraction of allocated bytes lost to the caching allocator's fragmentation; None: the
+    # framework profile's (see :attr:`fragmentation`).
+    allocator_fragmentation: float | None = None
     # the trainer
     steps: int = 100
     lr: float = 3e-4
@@ -106,11 +111,15 @@ class TrainSettings:
             check_choice(f, getattr(self, f), tuple(DTYPE_BYTES))
         if self.master_dtype is not None:
             check_choice("master_dtype", self.master_dtype, tuple(DTYPE_BYTES))
-        require(
-            0 <= self.allocator_fragmentation < 1,
-            f"allocator_fragmentation={self.allocator_fragmentation} must be in [0, 1)",
-            field="allocator_fragmentation",
-        )
+        if not (isinstance(self.framework, str) and self.framework in FRAMEWORKS):
+            object.__setattr__(self, "framework", resolve_framework(self.framework))
+        if self.allocator_fragmentation is not None:
+            check_positive("allocator_fragmentation", self.allocator_fragmentation, allow_zero=True)
+            require(
+                self.allocator_fragmentation < 1,
+                f"allocator_fragmentation={self.allocator_fragmentation} must be in [0, 1)",
+                field="allocator_fragmentation",
+            )
         check_int("steps", self.steps, minimum=0)
         check_positive("lr", self.lr)
         check_int("warmup_steps", self.warmup_steps, minimum=0)
@@ -156,12 +165,26 @@ class TrainSettings:
         return next((n for n, p in PRECISIONS.items() if p == mine), None)
 
     @property
+    def profile(self) -> FrameworkProfile:
+        """The framework profile this job is priced under."""
+        return resolve_framework(self.framework)
+
+    @property
+    def fragmentation(self) -> float:
+        """The allocator's fragmentation share: this job's, else its framework profile's."""
+        if self.allocator_fragmentation is not None:
+            return self.allocator_fragmentation
+        return self.profile.memory.allocator_fragmentation
+
+    @property
     def optimizer_states(self) -> int:
         return OPTIMIZER_STATES[self.optimizer]
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["betas"] = list(self.betas)
+        if isinstance(self.framework, FrameworkProfile):
+            d["framework"] = self.framework.to_dict()
         return d
 
     @classmethod
@@ -422,8 +445,10 @@ def validate_plan(plan: ParallelPlan, model: ModelSpec, cluster: Cluster, train:
 
 
 def _validate_schedule(plan: ParallelPlan, train: TrainSettings) -> None:
-    """Micro-batch and virtual-stage rules of each schedule, exactly as torch 2.13's
-    torch.distributed.pipelining constructors have them (see :func:`workbench.spec.schedules.check_schedule`)."""
+    """The rules that define each schedule (:func:`workbench.spec.schedules.check_schedule`):
+    virtual stages, and DualPipeV's micro-batch count. Torch's further limits on micro-batch
+    counts are not errors here: the plan is predicted with a note (:func:`plan_notes`) and the
+    bundled trainer refuses it (:func:`workbench.spec.trainable.unsupported`)."""
     name, v, p = plan.pp_schedule, plan.virtual_stages, plan.pp
     gbs, mbs = train.global_batch_size, train.micro_batch_size
     per_step = mbs * plan.dp if plan.dp_shard > 0 else 0
@@ -440,6 +465,27 @@ def _validate_schedule(plan: ParallelPlan, train: TrainSettings) -> None:
             field="global_batch_size",
             value=gbs,
         ) from None
+
+
+def torch_limits(config: RunConfig) -> list[str]:
+    """Why ``torch.distributed.pipelining`` would refuse the schedule of a valid config, one line
+    each (:func:`workbench.spec.schedules.torch_schedule_limits` at its micro-batch count; empty
+    when torch builds it, or pp = 1)."""
+    plan = config.plan
+    if plan.pp == 1:
+        return []
+    return torch_schedule_limits(plan.pp_schedule, plan.pp, config.n_microbatches, plan.virtual_stages)
+
+
+def plan_notes(config: RunConfig) -> list[str]:
+    """What a user should know next to the prediction of a valid config, one line each: the
+    torch limits it breaks and how it is predicted anyway (as another framework runs it), e.g.
+    1F1B with fewer micro-batches than stages, predicted as the degenerate pipeline Megatron runs."""
+    plan, limits = config.plan, torch_limits(config)
+    if not limits:
+        return []
+    form = degenerate_form(plan.pp_schedule, plan.pp, config.n_microbatches, plan.virtual_stages)
+    return [f"{why}; {form}" for why in limits]
 
 
 def dtype_bytes(dtype: str) -> int:
