@@ -170,3 +170,27 @@ def test_planning_story_in_the_browser():
         page.get_by_test_id("summary-peak").locator("visible=true").wait_for(timeout=20_000)
         assert not errors, errors
     assert time.monotonic() - t0 < 120
+
+
+def test_framework_choice_reprices_the_bill_in_the_browser():
+    """Choose the megatron profile on the memory tab: the drawn bill changes and states its profile."""
+    with served_app() as url, chromium() as browser:
+        page = browser.new_page(viewport={"width": 1600, "height": 1250})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(url)
+        page.get_by_test_id("summary-peak").wait_for(timeout=60_000)
+        tab(page, "2 · Memory")
+        page.get_by_test_id("bill-band").locator("visible=true").wait_for(timeout=20_000)
+        bundled_peak, bundled_band = text_of(page, "peak-memory"), text_of(page, "bill-band")
+        assert "uncalibrated, bundled profile" in bundled_band
+        assert text_of(page, "framework-profile") == "bundled"
+        page.locator("select:has(option[value='megatron'])").locator("visible=true").select_option("megatron")
+        megatron_band = wait_text_change(page, "bill-band", bundled_band)
+        assert "megatron profile" in megatron_band and megatron_band.startswith("Predicted step ")
+        wait_for_text(page, "framework-profile", "megatron")
+        # Megatron keeps no per-layer RoPE cache: the tiny model's bill is smaller
+        assert to_bytes(text_of(page, "peak-memory")) < to_bytes(bundled_peak)
+        wait_for_text(page, "summary-framework", "megatron")
+        screenshot(page, "10-memory-bill-under-the-megatron-profile")
+        assert not errors, errors

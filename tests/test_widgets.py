@@ -314,17 +314,116 @@ def test_views_share_state_and_show_errors_inline():
     assert pipe.stage_times == tuple(pred.stage_times_s)
 
 
+def test_framework_choice_reprices_the_bill_and_states_its_band():
+    from workbench.predict.perf import describe_step
+    from widgets import AdvisorView, MemoryView, MeshView, PlanState
+    from widgets.app import summary_html
+
+    state = PlanState(tp=2)  # tiny on local-cpu, tp=2 with sequence parallelism
+    memory = MemoryView(state)
+    memory.panel()
+    assert state.config.plan.sequence_parallel and state.framework == "bundled"
+    bundled = estimate_memory(state.config)
+    page = MemoryView.summary_html(state.config)
+    assert "uncalibrated, bundled profile" in page
+    assert describe_step(predict_step(state.config).step_time_s, state.config.train.profile) in page
+    # the control: megatron keeps the SP inputs of the QKV and MLP linears sharded, so fewer bytes
+    memory.framework.select.value = "megatron"
+    assert state.framework == "megatron" and state.config.train.profile.name == "megatron"
+    megatron = estimate_memory(state.config)
+    assert megatron.components["activations"] < bundled.components["activations"]
+    assert megatron.peak_bytes < bundled.peak_bytes
+    page = MemoryView.summary_html(state.config)
+    assert "uncalibrated, megatron profile" in page and T.format_bytes(megatron.peak_bytes) in page
+    assert "uncalibrated, megatron profile" in summary_html(state.config, "", "tiny")
+    assert "megatron profile" in MeshView.info_html(state.config, "tp")
+    # the advisor prices its plans under the chosen profile and its table's caption says so
+    adv = AdvisorView(state, top=5)
+    adv.panel()
+    adv.search()
+    assert adv.advice and all(c.config.train.profile.name == "megatron" for c in adv.advice)
+    best = adv.advice[0]
+    assert describe_step(best.prediction.step_time_s, best.config.train.profile) in adv._band.object
+    adv.choose(0)
+    assert state.config.train == best.train and state.framework == "megatron"
+
+
+def test_fitted_profile_json_is_loaded_escaped_and_invalid_files_are_reported(tmp_path):
+    import dataclasses
+
+    from workbench.spec.framework import FRAMEWORKS, ErrorBand, FrameworkProfile
+    from widgets import AdvisorView, MemoryView, MeshView, PlanState
+    from widgets.app import summary_html
+
+    state = PlanState(tp=2)
+    memory, adv = MemoryView(state), AdvisorView(state, top=5)
+    memory.panel(), adv.panel()
+    # a calibration file, as `workbench calibrate --measured ... -o fit.json` writes it
+    band = ErrorBand(step_error=0.03, p90_step_error=0.07, n_runs=70, method="leave-one-out (linearised)")
+    fitted = dataclasses.replace(FRAMEWORKS["fsdp"], name="fsdp-fitted", band=band, fitted=("matmul",))
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps({"profile": fitted.to_dict(), "report": {}}))
+    assert FrameworkProfile.load(path) == fitted
+    assert memory.framework.load(path.read_bytes())
+    assert state.framework == "fsdp-fitted" and state.config.train.profile == fitted
+    assert "fsdp-fitted" in memory.framework.select.options
+    want = "+/- 3%, fsdp-fitted profile, fitted on 70 runs (leave-one-out (linearised))"
+    step = predict_step(state.config).step_time_s
+    assert f"step {step:.3f} s ({want})" in MemoryView.summary_html(state.config)
+    assert want in summary_html(state.config, "", "tiny")
+    adv.search()
+    assert want in adv._band.object and adv.advice[0].config.train.profile == fitted
+    # the built-ins stay choosable; a loaded profile named as one gets its own choice
+    state.framework = "bundled"
+    assert state.config.train.profile.name == "bundled"
+    state.framework = "fsdp-fitted"
+    assert state.config.train.profile == fitted
+    assert memory.framework.load(json.dumps({"name": "megatron", "band": dataclasses.asdict(band)}))
+    assert state.framework == "megatron (loaded)" and state.config.train.profile.band == band
+
+    # a name from a user's file reaches every view escaped
+    evil = "<script>alert(1)</script>"
+    assert memory.framework.load(json.dumps({"name": evil, "band": dataclasses.asdict(band)}))
+    assert state.framework == evil and state.config is not None
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; profile" in memory.framework.note.object
+    adv.search()
+    for page in (MemoryView.summary_html(state.config), summary_html(state.config, "", "tiny"),
+                 MeshView.info_html(state.config, "tp"), adv._band.object, memory.framework.note.object):
+        assert "<script>" not in page and "&lt;script&gt;" in page
+
+    # invalid files: the one-line ConfigError under the control, escaped; the choice is kept
+    for text, message in [
+        ("{not json", "framework profile is not JSON: Expecting property name enclosed in double quotes (line 1)"),
+        ("[1, 2]", "a framework profile must be a JSON object, got list"),
+        (json.dumps({"name": "x", "colour": 1}), "framework has unknown fields [&#x27;colour&#x27;]"),
+        (json.dumps({"name": "x", "efficiency": {"matmul": "<b>"}}),
+         "efficiency.matmul=&#x27;&lt;b&gt;&#x27; must be a number"),
+        (json.dumps({"name": "x", "band": {"step_error": 0.1}}), "framework.band: "),
+        (json.dumps({"name": "x", "in_stage_comm_exposed": [[1, 2, 3]]}), "framework profile: "),
+    ]:
+        assert not memory.framework.load(text)
+        note = memory.framework.note.object
+        assert 'data-testid="error-framework"' in note and message in note, note
+        assert "\n" not in note and "Traceback" not in note and "<b>" not in note
+        assert state.framework == evil and state.config is not None
+    with pytest.raises(ConfigError) as err:
+        state.load_profile("{}")
+    assert err.value.field == "framework" and "needs a name" in str(err.value)
+
+
 def test_pipeline_view_invalid_input_is_shown_not_raised():
     from widgets import PipelineView
 
     pipe = PipelineView()
     pipe.panel()
-    pipe.param.update(schedule="1f1b", pp=4, n_microbatches=2)
+    # DualPipeV is defined only from 2 pp micro-batches (1F1B with m < pp is simulated: Megatron runs it)
+    pipe.param.update(schedule="dualpipev", pp=4, n_microbatches=6, virtual_stages=2)
     view = pipe._view()
     slot = pipe._errors._slots["n_microbatches"]
-    assert slot.visible and "n_microbatches=2 &lt; pp=4" in slot.object  # HTML-escaped
+    assert slot.visible and "n_microbatches=6 &lt; 4 x 2 = 8" in slot.object  # HTML-escaped
     assert "No timeline" in view.object
-    pipe.n_microbatches = 8
+    pipe.param.update(schedule="1f1b", virtual_stages=1, n_microbatches=8)
+    pipe._view()
     assert not slot.visible and pipe.simulate().bubble_fraction == pytest.approx(3 / 11)
 
 

@@ -1,6 +1,7 @@
 """View 4, the plan advisor: the top plans for the state's model, cluster and settings, with memory,
-step time, MFU, bubble and the advisor's explanation; choosing one applies it to the shared
-state, so the mesh, memory and pipeline views show that plan.
+step time, MFU, bubble and the advisor's explanation, priced under the state's framework profile
+(the table's caption states its error band); choosing one applies it to the shared state, so the
+mesh, memory and pipeline views show that plan.
 
 ``workbench.advise`` takes up to about a second on large clusters: it runs in a worker thread
 after a button press, with a spinner, so the page stays responsive.
@@ -18,18 +19,20 @@ import param
 
 from workbench import Cluster, ConfigError, TrainSettings, advise
 
+from widgets.framework_control import framework_select
 from widgets.state import PlanState
-from widgets.transforms import advice_rows, format_bytes, format_seconds, plan_settings
+from widgets.transforms import advice_rows, band_text, format_bytes, format_seconds, plan_settings
 from widgets.ui import card, cards, html_pane, labelled
 
 
 def run_advisor(state: PlanState, top: int = 10):
     """``workbench.advise`` on the state's model, cluster and training settings (the advisor
-    chooses the plan, micro-batch size and recomputation itself)."""
+    chooses the plan, micro-batch size and recomputation itself), under the state's framework profile."""
     if state.model is None:
         raise ConfigError(f"model: {state.model_error}", field="model")
     cluster = Cluster.preset(state.cluster, nodes=state.nodes)
-    train = TrainSettings(seq_len=state.seq_len, global_batch_size=state.global_batch_size).with_precision(state.precision)
+    train = TrainSettings(seq_len=state.seq_len, global_batch_size=state.global_batch_size,
+                          framework=state.framework_setting).with_precision(state.precision)
     return advise(state.model, cluster, train, top=top)
 
 
@@ -46,6 +49,7 @@ class AdvisorView(pn.viewable.Viewer):
         self._button.on_click(self._on_click)
         self._top = labelled("show the top", pn.widgets.RadioButtonGroup.from_param(
             self.param.top, color="primary", variant="outline", width=160))
+        self._framework = framework_select(self.state)
         self._status = html_pane('<div class="wb-muted">Press <b>Find plans</b> to search every valid plan for '
                                  "this model, cluster and batch.</div>", sizing_mode="stretch_width")
         self._table = pn.widgets.Tabulator(
@@ -53,6 +57,7 @@ class AdvisorView(pn.viewable.Viewer):
             sizing_mode="stretch_width", height=330, visible=False,
         )
         self._table.param.watch(self._on_select, "selection")
+        self._band = html_pane("", sizing_mode="stretch_width")
         self._explain = html_pane("", sizing_mode="stretch_width")
         self._layout = None
 
@@ -85,6 +90,7 @@ class AdvisorView(pn.viewable.Viewer):
         self._table.visible = bool(rows)
         self._table.selection = []
         self._explain.object = ""
+        self._band.object = self.band_html(advice)
         base = advice.baseline
         baseline = (f"plain data parallel: {format_seconds(base.prediction.step_time_s)} per step, "
                     f"MFU {base.prediction.mfu:.1%}" if base.fits else f"plain data parallel: {base.reason}")
@@ -102,6 +108,16 @@ class AdvisorView(pn.viewable.Viewer):
         self._status.object = cards(items) + msg + (
             '<div class="wb-muted">Click a row to apply that plan to the mesh, memory and pipeline views.</div>'
             if advice else "")
+
+    @staticmethod
+    def band_html(advice: Any) -> str:
+        """The table's caption: the profile its times are priced under and that profile's band."""
+        if not advice:
+            return ""
+        best = advice[0]
+        text = band_text(best.config.train.profile, best.prediction.step_time_s)
+        return (f'<div class="wb-muted" data-testid="advisor-band">Step times priced under the '
+                f"{html.escape(best.config.train.profile.name)} profile; best plan: {html.escape(text)}</div>")
 
     # ------------------------------------------------------------------ choose
     def choose(self, index: int) -> None:
@@ -121,8 +137,9 @@ class AdvisorView(pn.viewable.Viewer):
     def panel(self) -> pn.viewable.Viewable:
         if self._layout is None:
             self._layout = pn.Column(
-                pn.Row(self._button, self._top),
+                pn.Row(self._button, self._top, self._framework),
                 self._status,
+                self._band,
                 self._table,
                 self._explain,
                 sizing_mode="stretch_width",

@@ -38,7 +38,7 @@ from widgets.model_view import ModelSketch
 from widgets.pipeline_view import PipelineView
 from widgets.run_session import session_of
 from widgets.state import PlanState
-from widgets.transforms import format_bytes, format_count, format_rate, format_seconds
+from widgets.transforms import band_text, format_bytes, format_count, format_rate, format_seconds
 from widgets.ui import card, cards, html_pane
 
 LOCAL_ADDRESSES = ("127.0.0.1", "localhost", "::1")
@@ -83,6 +83,7 @@ def summary_html(config: RunConfig | None, error: str, model_name: str) -> str:
         card("Step time", format_seconds(pred.step_time_s), "summary-step",
              note=f"MFU {pred.mfu:.1%}, bubble {pred.bubble_fraction:.1%}"),
         card("Throughput", format_rate(pred.tokens_per_s_per_gpu), "summary-tps", note="tokens/s per GPU"),
+        card("Framework", config.train.profile.name, "summary-framework", note=band_text(config.train.profile)),
     ])
 
 

@@ -1,5 +1,7 @@
 """View 2, the memory bill: bytes per component on the most loaded rank and on every pipeline
-rank, against the GPU's HBM; toggles for recomputation, precision and ZeRO stage.
+rank, against the GPU's HBM; toggles for recomputation, precision and ZeRO stage, and the
+framework profile that prices the bill (built in, or a fitted profile JSON), whose error band
+the bill states.
 
 The bill itself is ``workbench.estimate_memory`` (microseconds); the bars are
 :func:`widgets.transforms.memory_bars`, stacked in the bill's component order. The charts are
@@ -11,16 +13,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import html
+
 import panel as pn
 import param
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d, Span
 from bokeh.plotting import figure
 
-from workbench import RunConfig, estimate_memory
+from workbench import RunConfig, estimate_memory, predict_step
 from workbench.predict.memory import COMPONENTS
 
+from widgets.framework_control import FrameworkPicker
 from widgets.state import PlanState
-from widgets.transforms import COMPONENT_COLORS, format_bytes, memory_axis, memory_bars, memory_summary, stack_columns
+from widgets.transforms import COMPONENT_COLORS, band_text, format_bytes, memory_axis, memory_bars, memory_summary, stack_columns
 from widgets.ui import FieldErrors, card, cards, html_pane, labelled, swatch, table
 
 
@@ -81,6 +86,7 @@ class MemoryView(pn.viewable.Viewer):
         super().__init__(state=state or PlanState(), **params)
         s = self.state.param
         self._errors = FieldErrors("set it in the Model or Mesh tab")
+        self.framework = FrameworkPicker(self.state)
         self._controls = [
             self._errors.wrap("recompute", labelled("recompute", pn.widgets.RadioButtonGroup.from_param(
                 s.recompute, color="primary", variant="outline", width=260))),
@@ -92,6 +98,7 @@ class MemoryView(pn.viewable.Viewer):
                 s.micro_batch_size, label="micro_batch_size", width=140)),
             self._errors.wrap("global_batch_size", pn.widgets.IntInput.from_param(
                 s.global_batch_size, label="global_batch_size (0 = auto)", width=190)),
+            self._errors.wrap("framework", self.framework.panel()),
         ]
         self.state.param.watch(self._on_error, ["error", "error_field"])
         self._on_error()
@@ -114,12 +121,16 @@ class MemoryView(pn.viewable.Viewer):
             (swatch(COMPONENT_COLORS[c]), c, format_bytes(b), f"{b / s['peak_bytes']:.1%}")
             for c, b in s["components"].items()
         ]
+        profile = config.train.profile
+        band = band_text(profile, predict_step(config).step_time_s)
         return cards([
             card("Peak memory", format_bytes(s["peak_bytes"]), "peak-memory",
                  note=f'rank {s["most_loaded_rank"]} (pp rank {s["pp_rank"]})', tone=tone),
             card("GPU memory", format_bytes(s["hbm_bytes"]), "hbm", note=config.cluster.gpu.name),
             card("Verdict", verdict, "fit-status", note=head, tone=tone),
-        ]) + table(["", "component", "bytes", "share"], rows, testid="memory-components", numeric=(2, 3))
+            card("Framework", profile.name, "framework-profile", note=band_text(profile)),
+        ]) + table(["", "component", "bytes", "share"], rows, testid="memory-components", numeric=(2, 3)) + (
+            f'<div class="wb-muted" data-testid="bill-band">Predicted {html.escape(band)}</div>')
 
     def _figures(self) -> pn.Row:
         self._peak_chart = BillChart("Most loaded rank", 230, legend=False)
@@ -146,7 +157,10 @@ class MemoryView(pn.viewable.Viewer):
                 pn.pane.Markdown(
                     "Components per ZeRO (Rajbhandari et al. 2020) and activation memory per Korthikanti et al. "
                     "2022; *overhead* is the CUDA context plus allocator fragmentation. The first pipeline rank "
-                    "holds the most micro-batches in flight; the last holds the output layer and the logits.",
+                    "holds the most micro-batches in flight; the last holds the output layer and the logits. "
+                    "The *framework* profile sets what is kept: the bundled trainer saves sequence-parallel "
+                    "inputs all-gathered, Megatron keeps them sharded; a fitted profile states the error band "
+                    "it was validated to (else *uncalibrated*).",
                     styles={"color": "#5a6570", "font-size": "12px"},
                 ),
                 sizing_mode="stretch_width",

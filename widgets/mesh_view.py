@@ -173,7 +173,8 @@ class MeshView(pn.viewable.Viewer):
             f'<div class="wb-card warn" data-testid="mesh-warning">{html.escape(w)}</div>' for w in lay.warnings
         )
         return (head + (warn and f'<div class="wb-cards">{warn}</div>') + legend + more + links
-                + "<h4>Predicted traffic per group (most loaded pipeline rank)</h4>" + traffic
+                + "<h4>Predicted traffic per group (most loaded pipeline rank, "
+                + f"{html.escape(config.train.profile.name)} profile)</h4>" + traffic
                 + "<h4>Per link tier</h4>" + tiers)
 
     def panel(self) -> pn.viewable.Viewable:

@@ -7,6 +7,7 @@ shared state's model becomes None (with the reason), so no other view shows stal
 
 from __future__ import annotations
 
+import html
 from typing import Any
 
 import panel as pn
@@ -104,11 +105,11 @@ class ModelSketch(pn.viewable.Viewer):
         when it cannot be read."""
         checked = parse_hf_config(text)
         if not checked.ok:
-            self._import_note.object = f'<div class="wb-error" data-testid="error-hf_config">{checked.error}</div>'
+            self._import_note.object = f'<div class="wb-error" data-testid="error-hf_config">{html.escape(checked.error)}</div>'
             return False
         spec = checked.value
         self._import_note.object = (
-            f'<div class="wb-muted">Imported {spec.name or "model"}: {spec.n_layers} layers, '
+            f'<div class="wb-muted">Imported {html.escape(spec.name or "model")}: {spec.n_layers} layers, '
             f"d_model {spec.d_model}, {format_count(spec.n_params())} parameters</div>"
         )
         self.state.param.update(model=spec, model_error="")

@@ -6,7 +6,8 @@ view draws can be checked in a unit test without a browser:
 * model sketch: :func:`model_form_values`, :func:`build_model`, :func:`parse_hf_config`,
   :func:`model_summary`;
 * the whole job: :func:`build_config` (never raises: a :class:`Checked` carries the ConfigError
-  text and the field it names);
+  text and the field it names); framework profiles: :func:`parse_framework_profile`,
+  :func:`profile_key`, :func:`band_text`;
 * memory bill: :func:`memory_bars`, :func:`memory_summary`, :func:`memory_axis`;
 * mesh: :func:`group_of_rank`, :func:`mesh_layout`, :func:`dim_traffic_rows`, :func:`tier_rows`;
 * advisor: :func:`advice_rows`, :func:`plan_settings`;
@@ -34,6 +35,8 @@ from workbench import (
 )
 from workbench.spec.config import build_run_config
 from workbench.spec.errors import check_int
+from workbench.spec.framework import FRAMEWORKS, FrameworkProfile
+from workbench.predict.perf import describe_step
 from workbench.predict.comms import link_traffic, traffic_by_dim
 from workbench.predict.memory import COMPONENTS, MemoryBill
 
@@ -261,6 +264,51 @@ def build_config(
         return Checked.failed(err)
     except TypeError as err:  # a None from an emptied number box
         return Checked(None, str(err), None)
+
+
+# ---------------------------------------------------------------------------- framework profiles
+def parse_framework_profile(text: str | bytes | Mapping[str, Any]) -> Checked:
+    """A FrameworkProfile from the text of a profile JSON (``FrameworkProfile.save``'s, or the
+    ``{"profile": ..., "report": ...}`` that ``workbench calibrate --measured`` writes) or its
+    parsed dict, or the one-line ConfigError text (field ``framework``). Never raises."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    if isinstance(text, Mapping):
+        data: Any = text
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            return Checked(None, f"framework profile is not JSON: {e.msg} (line {e.lineno})", "framework")
+    if isinstance(data, Mapping) and "profile" in data and "name" not in data:
+        data = data["profile"]  # a calibration file: the profile and its report
+    try:
+        return Checked(FrameworkProfile.from_dict(data))
+    except ConfigError as err:
+        return Checked(None, _one_line(str(err)), "framework")
+    except (TypeError, ValueError, AttributeError) as err:  # a wrongly typed constant deep inside
+        return Checked(None, _one_line(f"framework profile: {err}"), "framework")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def profile_key(profile: FrameworkProfile) -> str:
+    """The choice a loaded profile gets in the framework selector: its name, unless a built-in
+    has it (``megatron (loaded)``: the built-in stays choosable)."""
+    return profile.name if profile.name not in FRAMEWORKS else f"{profile.name} (loaded)"
+
+
+def band_text(profile: FrameworkProfile, step_time_s: float | None = None) -> str:
+    """What a prediction under ``profile`` is good to (plain text; escape it for HTML):
+    ``step 0.990 s (+/- 3%, fsdp-fitted profile, fitted on 70 runs (...))``, or without a step time
+    ``uncalibrated, bundled profile``; a band with a memory error says so too."""
+    text = profile.describe_band() if step_time_s is None else describe_step(step_time_s, profile)
+    band = profile.band
+    if band is not None and band.memory_error is not None:
+        text += f"; peak memory +/- {band.memory_error:.0%}"
+    return text
 
 
 # ---------------------------------------------------------------------------- memory bill

@@ -106,5 +106,5 @@ class FieldErrors:
             slot.visible = True
         else:
             where = f" ({self._where})" if self._where else ""
-            self.general.object = f"**Invalid configuration{where}:** {message}"
+            self.general.object = f"**Invalid configuration{html.escape(where)}:** {html.escape(message)}"
             self.general.visible = True
