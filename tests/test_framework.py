@@ -53,8 +53,9 @@ def test_megatron_keeps_sequence_parallel_inputs_sharded():
     per_layer = [activation_bytes_per_layer(c.model, c.train, c.plan, conventions=c.train.profile.memory)
                  for c in (bundled, megatron)]
     assert per_layer[0] - per_layer[1] == pytest.approx(extra_per_layer, rel=1e-12)
+    # the whole bill: at least that per layer (Megatron also shards the loss over the vocabulary)
     act = [estimate_memory(c).components["activations"] for c in (bundled, megatron)]
-    assert act[0] - act[1] == pytest.approx(m.n_layers * extra_per_layer, rel=1e-6)
+    assert act[0] - act[1] >= m.n_layers * extra_per_layer * (1 - 1e-9)
 
 
 def test_megatron_overlaps_tp_communication_within_a_node_only():

@@ -110,6 +110,93 @@ def test_flash_attention_keeps_no_scores():
     assert eager - flash == 5 * A * S * S * B - 4 * A * S * B
 
 
+# Table 3 of Korthikanti et al.: (L, h, a, p, b) with t = 8, s = 2048, v = 51200; the global batch
+# is b on one pipeline (22B) or one micro-batch per GPU (175B: 64, 530B: 280, 1T: 512).
+TABLE3 = {"22B": (48, 6144, 64, 1, 4), "175B": (96, 12288, 96, 8, 1), "530B": (105, 20480, 128, 35, 1),
+          "1T": (128, 25600, 160, 64, 1)}
+
+
+def table3_config(name, framework):
+    L, h, a, p, b = TABLE3[name]
+    model = ModelSpec(n_layers=L, d_model=h, n_heads=a, d_ff=4 * h, vocab_size=51200, activation="gelu",
+                      norm="layernorm", linear_bias=True, tie_embeddings=True, position="learned", max_seq_len=S)
+    train = TrainSettings(seq_len=S, micro_batch_size=b, global_batch_size=b if p == 1 else 8 * p, framework=framework,
+                          attention="eager", dropout=True, recompute="selective").with_precision("bf16-megatron")
+    # Megatron's cross-entropy is always vocabulary-parallel: loss_parallel
+    plan = ParallelPlan(tp=8, pp=p, dp_shard=1, sequence_parallel=True, loss_parallel=True)
+    return RunConfig(model, Cluster.preset("dgx-a100", nodes=p), plan, train)
+
+
+@pytest.mark.parametrize("name", list(TABLE3))
+def test_korthikanti_figure_1_first_stage(name):
+    """Figure 1's "present work" activations (sequence parallelism + selective recomputation, the
+    models of Table 3) under the megatron profile: the first pipeline stage holds p micro-batches
+    (1F1B) of L/p layers, 34 sbh/t each (section 4.2.3), plus the dropout mask after the embeddings
+    of each, sbhp/t, and with p = 1 the output layer, 4sbh/t (1 + v/h) (section 4.3):
+    sbhL/t (34 + p/L + [p = 1] 4/L (1 + v/h))."""
+    L, h, a, p, b = TABLE3[name]
+    t, v = 8, 51200
+    paper = S * b * h * L / t * (34 + p / L + (4 / L * (1 + v / h) if p == 1 else 0))
+    megatron = estimate_memory(table3_config(name, "megatron")).per_stage[0]
+    assert megatron.in_flight == (p,) and megatron.components["activations"] == pytest.approx(paper, rel=0.03)
+    # torch's DTensor SP keeps the gathered QKV and MLP inputs: + 2 e sbh (1 - 1/t) per layer, ~80 % more
+    bundled = estimate_memory(table3_config(name, "bundled")).per_stage[0].components["activations"]
+    assert bundled > 1.7 * megatron.components["activations"]
+
+
+def test_torchtitan_op_policy_keeps_every_other_matmul():
+    """torchtitan's per-op selective checkpointing of a Llama block keeps its input, the outputs of
+    matmuls 1, 3, 5, 7 (wq, wv, w1, w2) and SDPA's output and log-sum-exp: a third of Korthikanti's."""
+    model = ModelSpec.preset("llama3-8b")
+    train = TrainSettings(seq_len=8192, micro_batch_size=2, recompute="selective")
+    plan = ParallelPlan(dp_shard=8)
+    sb, h = 2 * 8192, 4096
+    kept = 2 * sb * (h + model.q_dim + model.kv_dim + model.d_ff + h + model.q_dim) + 4 * sb * model.n_heads
+    op = activation_bytes_per_layer(model, train, plan, selective_policy="op")
+    assert op == kept
+    assert op < 0.4 * activation_bytes_per_layer(model, train, plan)
+
+
+def test_loss_buffers_follow_the_framework():
+    """The cross-entropy's backward: torch's F.cross_entropy on fp32 logits allocates the fp32
+    gradients of the log-probabilities and of the logits (8 bytes a logit) on top of the saved
+    fp32 log-probabilities; Megatron's vocabulary-parallel loss works in place and casts (2)."""
+    model = ModelSpec.preset("llama3-8b")
+    # SGD: no foreach-Adam temporary at the optimizer step, whose moment would hide the loss's
+    train = TrainSettings(seq_len=4096, recompute="full", optimizer="sgd").with_precision("bf16-megatron")
+    logits = 4096 * model.vocab_size
+    torch_bill = estimate_memory(config(model, tp=8, dp_shard=1, train=train))
+    megatron_bill = estimate_memory(config(model, tp=8, dp_shard=1, train=replace(train, framework="megatron")))
+    assert torch_bill.components["buffers"] >= 8 * logits  # torch without loss_parallel: every logit
+    sharded = estimate_memory(config(model, tp=8, dp_shard=1, loss_parallel=True, train=train))
+    assert sharded.components["buffers"] < torch_bill.components["buffers"] / 4
+    # Megatron: vocab-parallel always, 4 bytes saved (Korthikanti's 4sbv/t) and 2 transient
+    assert megatron_bill.components["buffers"] < 3 * logits / 8 + 2 * 2**30
+
+
+def test_fsdp_gradient_accumulation_follows_the_framework():
+    """Accumulating over micro-batches under FSDP2's no-sync (the bundled trainer's
+    set_requires_gradient_sync(i == m - 1), and torch.distributed.pipelining on every micro-batch)
+    keeps every unit's gradients unsharded in the reduce dtype; torchtitan (``fsdp``) reduce-
+    scatters every micro-batch and holds one unit's."""
+    model = ModelSpec.preset("llama3-8b")
+    train = TrainSettings(seq_len=2048, global_batch_size=32, recompute="full").with_precision("fsdp2-bf16")
+    bundled = estimate_memory(config(model, dp_shard=8, train=train))
+    fsdp = estimate_memory(config(model, dp_shard=8, train=replace(train, framework="fsdp")))
+    assert bundled.components["activations"] == fsdp.components["activations"]
+    unsharded = 4 * model.n_params() * (1 - 1 / 8)  # fp32 gradients, less the sharded ones
+    # ... in place of the per-unit ones: a block's fp32 reduce-scatter input, and the output
+    # projection's bf16 gradient waiting for the root unit's reduce-scatter
+    per_unit = 4 * model.layer_params(0).total + 2 * model.vocab_size * model.d_model
+    extra = bundled.components["buffers"] - fsdp.components["buffers"]
+    assert extra == pytest.approx(unsharded - per_unit, rel=0.01)
+    # one micro-batch per step: no accumulation, the same buffers (but for bundled's RoPE cache)
+    single = replace(train, global_batch_size=8)
+    assert (estimate_memory(config(model, dp_shard=8, train=single)).components["buffers"]
+            == pytest.approx(estimate_memory(config(model, dp_shard=8, train=replace(single, framework="fsdp")))
+                             .components["buffers"], rel=1e-3))
+
+
 # ---------------------------------------------------------------------------- pipeline schedules
 def test_in_flight_microbatches_closed_forms():
     p, m = 4, 8
@@ -130,7 +217,16 @@ def test_first_stage_holds_most_activations_last_holds_logits():
     assert acts[0] > acts[1] > acts[2]
     # the last stage holds 1 micro-batch but also the fp32 log-probabilities over the vocabulary
     assert bill.per_stage[-1].components["buffers"] > bill.per_stage[1].components["buffers"]
-    assert bill.most_loaded_rank == 0
+    # ... and torch.distributed.pipelining keeps every micro-batch's logits (8 x 4096 x 128256 in
+    # bf16, PipelineStage.output_chunks) until the step ends: without loss_parallel the last
+    # stage, not the first, is the most loaded
+    logits = 4096 * 128256 * 2
+    assert bill.per_stage[-1].components["buffers"] >= 8 * logits
+    assert bill.most_loaded_rank == 6
+    sharded = estimate_memory(config("llama3-8b", nodes=1, pp=4, tp=2, loss_parallel=True,
+                                     train=TrainSettings(seq_len=4096, global_batch_size=8)))
+    # loss_parallel splits the logits over the 2 TP ranks: the last stage's buffers about halve
+    assert sharded.per_stage[-1].components["buffers"] < 0.55 * bill.per_stage[-1].components["buffers"]
 
 
 def test_gpipe_holds_every_microbatch():

@@ -44,12 +44,17 @@ GiB = 2**30
 # ## 1. Climbing the ladder by hand: Llama 3 70B on 64 H100s
 #
 # 8 DGX H100 nodes, sequences of 8192 tokens, 512 sequences per step, Megatron's precision
-# (18 bytes per parameter of model states). Each row adds one step of the scaling order.
+# (18 bytes per parameter of model states), priced under the `megatron` framework profile
+# (Megatron-LM's memory conventions: sequence-parallel inputs kept sharded, each micro-batch's
+# logits dropped after its loss, gradients accumulated into sharded buffers). Each row adds one
+# step of the scaling order. Under `framework="bundled"` the same plans cost more: the bundled
+# trainer, like torch's pipelining runtime, keeps every micro-batch's logits and FSDP's unsharded
+# gradients until the step ends (see `MemoryConventions` in `workbench/spec/framework.py`).
 
 # %%
 llama70 = ModelSpec.preset("llama3-70b")
 cluster = Cluster.preset("dgx-h100", nodes=8)
-train = TrainSettings(seq_len=8192, global_batch_size=512).with_precision("bf16-megatron")
+train = TrainSettings(seq_len=8192, global_batch_size=512, framework="megatron").with_precision("bf16-megatron")
 ladder = [
     ("plain data parallel", ParallelPlan(zero_stage=0), "none"),
     ("+ ZeRO-1", ParallelPlan(zero_stage=1), "none"),

@@ -42,6 +42,9 @@ from workbench.predict.stats import percentile, spearman
 
 DATA = Path(__file__).resolve().parent / "data"
 PUBLISHED = (DATA / "mpt-h100-bf16.csv",)
+# Peak-memory tables: their throughput is not priceable (GPUs without a preset), so they stay out
+# of PUBLISHED (``workbench validate``'s throughput check).
+PUBLISHED_MEMORY = (DATA / "torchtitan.csv",)
 GiB = float(1 << 30)
 MAX_CSV_BYTES = 16 << 20  # a table of runs is kilobytes; refuse to read a device or a huge file
 
@@ -167,6 +170,12 @@ def load_measurements(path: str | os.PathLike, framework: "str | FrameworkProfil
 def published_measurements(framework: "str | FrameworkProfile | None" = None) -> list[Measurement]:
     """The published tables that ship with the project (``predict/data/``)."""
     return [m for p in PUBLISHED for m in load_measurements(p, framework)]
+
+
+def published_memory_measurements(framework: "str | FrameworkProfile | None" = None) -> list[Measurement]:
+    """The published peak-memory tables that ship with the project (``predict/data/``, see its
+    README): the measured ``peak_memory_bytes`` of each row, to check the memory bill against."""
+    return [m for p in PUBLISHED_MEMORY for m in load_measurements(p, framework)]
 
 
 def priced_under(measurement: Measurement, framework: "str | FrameworkProfile") -> Measurement:

@@ -13,19 +13,30 @@
     Tensors saved for backward, per layer (Korthikanti et al. 2022, "Reducing Activation
     Recomputation in Large Transformer Models", section 4), times the layers of each stage,
     times the micro-batches that stage holds in flight under the pipeline schedule, plus the
-    fp32 log-probabilities of the output layer on the last stage and the MoE dispatch buffers.
+    dropout mask after the embeddings on the first stage and the output layer (final-norm and
+    output-projection inputs, the fp32 log-probabilities) on the last. Under the ``megatron``
+    profile the first stage of Table 3's models is Figure 1's sbhL/t (34 + p/L [+ 4/L (1 + v/h)]).
 ``buffers``
-    Communication and working buffers: FSDP's unsharded layers in flight (the current one and
-    the prefetched next), unsharded gradients before their reduce-scatter, DDP buckets,
-    pipeline receive buffers, the sequence-parallel all-gather buffer, the gradient of the logits.
+    Working memory, audited against what the frameworks allocate (torch 2.13, FSDP2,
+    torch.distributed.pipelining, torchtitan, Megatron-LM), the reason for each term beside it in
+    :func:`estimate_memory`. Two kinds. Live through the step: pipeline receive buffers (one per
+    micro-batch, activations and gradients), the last stage's kept outputs (torch pipelining keeps
+    every micro-batch's logits), FSDP gradients held unsharded in the reduce dtype across
+    micro-batches. Live at one moment, of which the bill takes the worse: the loss's backward on
+    the last stage (the fp32 gradients of the log-probabilities and logits) or a block's backward
+    (the recomputed block, the gradients of its widest tensors and the sequence-parallel gather,
+    FSDP's gathered units and their unsharded gradients and reduce-scatter input, DDP buckets,
+    MoE dispatch, the context-parallel ring's K/V chunks).
 ``overhead``
     The CUDA context (``cluster.gpu.context_bytes``) and allocator fragmentation
     (``train.fragmentation``, the framework profile's unless the job sets one, x everything else):
-    explicit, never hidden in the others.
+    explicit, never hidden in the others. The bill's peak is thus reserved memory, what
+    ``torch.cuda.max_memory_reserved`` reports, plus the context.
 
 Which profile (``train.framework``: bundled, megatron, fsdp or a fitted one,
 :mod:`workbench.spec.framework`) changes ``activations`` (SP inputs kept gathered, the CP ring's
-fp32 output, a RoPE cache per layer) and ``buffers`` (FSDP units in flight) and ``overhead``
+fp32 output, a RoPE cache per layer, what selective recomputation keeps) and ``buffers`` (FSDP
+units in flight, the loss's working memory, the pipeline's kept outputs) and ``overhead``
 (fragmentation); the model states are the plan's (ZeRO stage, degrees) under every profile.
 
 Ranks differ: the first pipeline stage holds the most micro-batches in flight, the last holds the
@@ -40,7 +51,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
-from workbench.spec.framework import MemoryConventions
+from workbench.spec.framework import SELECTIVE_POLICIES, FrameworkProfile, MemoryConventions
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
 from workbench.predict.pipeline import in_flight_at_peak
@@ -166,7 +177,15 @@ def model_state_bytes(
 class _StageParams:
     dense: float  # TP-local parameters of the stage that ZeRO shards over dp_shard x cp
     experts: float  # TP- and EP-local routed-expert parameters (ZeRO shards over dp_shard x cp / ep)
-    largest_unit: float  # TP-local parameters of the largest FSDP unit (a block, or embedding/output)
+    block_unit: float  # TP-local parameters of the stage's largest block (one FSDP unit)
+    embedding: float  # TP-local token (and position) embeddings on the first stage, else 0
+    head: float  # TP-local output projection on the last stage, else 0
+
+    @property
+    def root_unit(self) -> float:
+        """The root FSDP unit of this stage (``fully_shard(model)`` after the blocks): what is left
+        outside the blocks, the embeddings on the first stage and the output projection on the last."""
+        return self.embedding + self.head
 
 
 @functools.lru_cache(maxsize=4096)
@@ -188,26 +207,59 @@ def _stage_params(model: ModelSpec, plan: ParallelPlan, first_layer: int, n_laye
     # Blocks come in two kinds (dense, MoE), so a stage is counted in O(1), not per layer.
     n_moe = _moe_layers_in(model, first_layer, n_layers)
     n_dense = n_layers - n_moe
-    dense = experts = largest = 0.0
+    dense = experts = block = emb = head = 0.0
     if n_dense:
         d, e = _layer_local_params(model, 0, plan.tp, plan.ep)
-        dense, experts, largest = n_dense * d, n_dense * e, d + e
+        dense, experts, block = n_dense * d, n_dense * e, d + e
     if n_moe:
         d, e = _layer_local_params(model, model.n_layers - 1, plan.tp, plan.ep)
-        dense, experts, largest = dense + n_moe * d, experts + n_moe * e, max(largest, d + e)
+        dense, experts, block = dense + n_moe * d, experts + n_moe * e, max(block, d + e)
     if first:  # token (and position) embeddings, split row-wise by TP
         emb = model.embedding_params / plan.tp
         dense += emb
-        largest = max(largest, emb)
     if last:  # final norm (replicated) and output projection (split column-wise by TP)
         norm = model.norm_params(model.d_model)
         head = (model.output_params - norm) / plan.tp
         dense += head + norm
-        largest = max(largest, head)
-    return _StageParams(dense, experts, largest)
+    return _StageParams(dense, experts, block, emb, head)
+
+
+# ---------------------------------------------------------------------------- conventions
 
 
 # ---------------------------------------------------------------------------- activations
+def _mlp_width(model: ModelSpec, moe: bool) -> tuple[float, float]:
+    """(tokens routed through the MLP per token, hidden width per routed token): 1 and d_ff for a
+    dense MLP; top_k and moe_d_ff for an MoE block."""
+    if moe and model.is_moe:
+        return model.top_k, model.moe_d_ff
+    return 1, model.d_ff
+
+
+def _op_policy_bytes_per_layer(model: ModelSpec, train: TrainSettings, plan: ParallelPlan) -> float:
+    """What torchtitan's per-op selective checkpointing keeps of a dense block, per micro-batch
+    (torchtitan ``parallelize_llama.py``: ``_save_list`` and ``_get_custom_policy``, at the
+    llama3 benchmarks' commit 9dec370 and since): the block's input (the checkpoint's); the outputs
+    of every other ``aten.mm`` of the block, the 1st, 3rd, 5th and 7th in execution order (wq, wv,
+    w1, w2 for a SwiGLU block; wq, wv, fc for GELU); SDPA's output and log-sum-exp (flash and
+    memory-efficient kernels; eager attention's bmm and softmax are recomputed); under TP + SP the
+    outputs of ``reduce_scatter_tensor``. A row-parallel matmul's local output (wo, w2) is the
+    whole hidden width (partial sums before the reduction)."""
+    e = DTYPE_BYTES[train.compute_dtype]
+    t = plan.tp
+    sp = t if (plan.sequence_parallel and t > 1) else 1
+    sb = train.micro_batch_size * train.seq_len / plan.cp
+    h = model.d_model
+    widths = [model.q_dim / t, model.kv_dim / t, model.kv_dim / t, h]  # wq wk wv wo
+    widths += [model.d_ff / t, model.d_ff / t, h] if model.activation == "swiglu" else [model.d_ff / t, h]
+    act = e * sb * h / sp + e * sb * sum(widths[0::2])  # the input; matmuls 1, 3, 5, 7
+    if train.attention == "flash":
+        act += e * sb * model.q_dim / t + 4 * sb * model.n_heads / t  # SDPA output, log-sum-exp
+    if sp > 1:
+        act += 2 * e * sb * h / sp  # the reduce-scatters after wo and w2
+    return act
+
+
 def activation_bytes_per_layer(
     model: ModelSpec,
     train: TrainSettings,
@@ -216,6 +268,7 @@ def activation_bytes_per_layer(
     recompute: str | None = None,
     *,
     conventions: MemoryConventions | None = None,
+    selective_policy: str = "attention",
 ) -> float:
     """Bytes one block saves for backward, for one micro-batch on one rank.
 
@@ -235,6 +288,11 @@ def activation_bytes_per_layer(
     sbh(34 + 5as/h) (no parallelism), sbh(10 + 24/t + 5as/(ht)) (TP), (sbh/t)(34 + 5as/h)
     (TP + SP), 34sbh/t (TP + SP + selective recompute) and 2sbh (full recompute).
 
+    ``selective_policy`` says what ``recompute="selective"`` keeps: "attention" is the paper's
+    (the attention core, softmax(QK^T)V and its dropout, is recomputed); "op" is torchtitan's
+    per-op policy (:func:`_op_policy_bytes_per_layer`: about a third of the paper's for a Llama
+    block; MoE blocks, which its policy also covers, are billed as "attention").
+
     MoE blocks replace the MLP by: router probabilities 4*sbE (fp32), the dispatched tokens
     e*sb*k*h (top_k copies of every token; x capacity_factor when tokens can be dropped), the
     experts' hidden activations as for the MLP on s*b*k tokens, the experts' outputs e*sb*k*h
@@ -252,6 +310,8 @@ def activation_bytes_per_layer(
     profile (``train.framework``).
     """
     recompute = train.recompute if recompute is None else recompute
+    if selective_policy not in SELECTIVE_POLICIES:
+        raise ValueError(f"selective_policy={selective_policy!r} is not one of {', '.join(SELECTIVE_POLICIES)}")
     e = DTYPE_BYTES[train.compute_dtype]
     t = plan.tp
     sp = t if (plan.sequence_parallel and t > 1) else 1
@@ -259,6 +319,8 @@ def activation_bytes_per_layer(
     h = model.d_model
     if recompute == "full":
         return e * sb * h / sp  # only the block's input is kept; the rest is recomputed
+    if recompute == "selective" and selective_policy == "op" and not (moe and model.is_moe):
+        return _op_policy_bytes_per_layer(model, train, plan)  # recomputed: no framework extras kept
     drop = train.dropout
     a = model.n_heads
     # attention block
@@ -300,15 +362,27 @@ def activation_bytes_per_layer(
     return act
 
 
-def output_activation_bytes(model: ModelSpec, train: TrainSettings, plan: ParallelPlan) -> float:
-    """Saved by the last stage per micro-batch: final-norm input, output-projection input and the
-    fp32 log-probabilities of the cross-entropy (V columns, split by TP under loss parallel)."""
+def _vocab_split(plan: ParallelPlan, vocab_parallel: bool) -> int:
+    """How many ways the logits are split over the vocabulary on one rank's TP group."""
+    return plan.tp if (plan.tp > 1 and (plan.loss_parallel or vocab_parallel)) else 1
+
+
+def output_activation_bytes(model: ModelSpec, train: TrainSettings, plan: ParallelPlan,
+                            conventions: MemoryConventions | None = None, vocab_parallel: bool = False) -> float:
+    """Saved by the last stage per micro-batch (Korthikanti section 4.3: 4sbh/t (1 + v/h) with SP and
+    a vocabulary-parallel loss): the final-norm input, the output projection's input and the fp32
+    log-probabilities of the cross-entropy (torch's log_softmax output, Megatron's softmax), over
+    V / t columns under a vocabulary-parallel loss (``loss_parallel``, or ``vocab_parallel``, a
+    framework that always shards it), over all V otherwise: torch's ``ColwiseParallel(
+    output_layouts=Replicate())`` all-gathers the logits. Under ``sp_inputs_gathered`` the output
+    projection, a ``ColwiseParallel(input_layouts=Shard(1))``, keeps its gathered input whole."""
     e = DTYPE_BYTES[train.compute_dtype]
     t = plan.tp
     sp = t if (plan.sequence_parallel and t > 1) else 1
     sb = train.micro_batch_size * train.seq_len / plan.cp
-    vocab = model.vocab_size / (t if plan.loss_parallel else 1)
-    return 2 * e * sb * model.d_model / sp + 4 * sb * vocab
+    gathered = conventions is not None and conventions.sp_inputs_gathered
+    head_input = e * sb * model.d_model / (1 if gathered else sp)
+    return e * sb * model.d_model / sp + head_input + 4 * sb * model.vocab_size / _vocab_split(plan, vocab_parallel)
 
 
 def in_flight_microbatches(plan: ParallelPlan, n_microbatches: int, pp_rank: int) -> tuple[int, ...]:
@@ -331,9 +405,22 @@ def in_flight_microbatches(plan: ParallelPlan, n_microbatches: int, pp_rank: int
 
 
 # ---------------------------------------------------------------------------- the bill
-def estimate_memory(config: RunConfig) -> MemoryBill:
-    """The memory bill of every rank of ``config`` (see the module docstring for each term)."""
+def estimate_memory(config: RunConfig, *, selective_policy: str | None = None) -> MemoryBill:
+    """The memory bill of every rank of ``config`` (see the module docstring for each term).
+
+    ``selective_policy`` ("attention" or "op", :func:`activation_bytes_per_layer`) overrides what the
+    profile's ``recompute="selective"`` keeps: "op" prices torchtitan's per-op checkpointing."""
     model, plan, train = config.model, config.plan, config.train
+    profile = train.profile
+    conventions = profile.memory
+    policy = str(selective_policy or conventions.selective_policy)
+    vocab_parallel = bool(conventions.vocab_parallel_loss)
+    loss_grad_bytes = float(conventions.loss_grad_bytes_per_logit)  # type: ignore[arg-type]
+    keeps_outputs = bool(conventions.pipeline_keeps_outputs)
+    no_sync_accumulation = bool(conventions.fsdp_no_sync_accumulation)
+    pipeline_no_sync = bool(conventions.pipeline_fsdp_no_sync)
+    recv_per_microbatch = bool(conventions.pipeline_recv_per_microbatch)
+    foreach_optimizer = bool(conventions.foreach_optimizer)
     m = config.n_microbatches
     counts = plan.stage_layer_counts(model.n_layers)
     starts = [sum(counts[:i]) for i in range(len(counts))]
@@ -343,21 +430,55 @@ def estimate_memory(config: RunConfig) -> MemoryBill:
     t = plan.tp
     sp = t if (plan.sequence_parallel and t > 1) else 1
     sb = train.micro_batch_size * train.seq_len / plan.cp
-    boundary = e * sb * model.d_model / sp  # activation crossing a pipeline boundary
+    h = model.d_model
+    boundary = e * sb * h / sp  # activation crossing a pipeline boundary
+    logits = sb * model.vocab_size / _vocab_split(plan, vocab_parallel)  # per micro-batch on one rank
     zero_d = plan.shard_degree
     zero_e = max(1, plan.shard_degree // plan.ep)
-    conventions = train.profile.memory
-    dense_layer_act = activation_bytes_per_layer(model, train, plan, moe=False, conventions=conventions)
-    moe_layer_act = (activation_bytes_per_layer(model, train, plan, moe=True, conventions=conventions)
-                     if model.is_moe else 0.0)
+    sharded_grads = zero_d > 1 and plan.zero_stage >= 2  # reduce-scattered per FSDP unit
+    sharded_params = zero_d > 1 and plan.zero_stage == 3
+    # FSDP2 under set_requires_gradient_sync(False) keeps the gradients unsharded, in the reduce
+    # dtype, and reduce-scatters them once after the last micro-batch (MemoryConventions: the pipeline
+    # runtime's and the gradient accumulation's no-sync).
+    accumulate_unsharded = sharded_grads and ((plan.pp > 1 and pipeline_no_sync) or
+                                              (plan.pp == 1 and m > 1 and no_sync_accumulation))
+
+    def layer(moe: bool, recompute: str | None = None) -> float:
+        return activation_bytes_per_layer(model, train, plan, moe=moe, recompute=recompute, conventions=conventions,
+                                          selective_policy=policy)
+
+    def backward_working(moe: bool) -> float:
+        """Transient bytes of one block's backward (the peak of a stage that is not the loss's)."""
+        # Recomputation rebuilds what the block did not keep, for one block at a time.
+        rebuilt = layer(moe, "none") - layer(moe) if train.recompute != "none" else 0.0
+        # Gradients of the widest tensors: SwiGLU's d(hidden), d(gate), d(up) (GELU's d(hidden),
+        # d(pre-activation)), the MLP input's gradient over the whole sequence (before SP's
+        # reduce-scatter) and the residual stream's.
+        moe_block = moe and model.is_moe
+        k, ff = _mlp_width(model, moe_block)
+        routed = sb * k * (max(1.0, train.moe_capacity_factor) if moe_block else 1.0)
+        grads = (3 if model.activation == "swiglu" else 2) * e * routed * ff / t + e * sb * h * (1 + 1 / sp)
+        if moe_block:
+            # MoE dispatch: the tokens permuted for the experts before the all-to-all, and the
+            # experts' outputs before the combine (the bundled trainer's ExpertParallel, Megatron's
+            # token dispatcher); the kept ones are billed in activations.
+            grads += 2 * e * routed * h / sp
+        if plan.cp > 1:
+            # Ring attention: the visiting K/V chunk and the one arriving, and their fp32 dK/dV
+            # accumulators travelling the ring in backward (the bundled trainer's ring; TE's too).
+            grads += (4 * e + 16) * sb * model.kv_dim / t
+        return rebuilt + grads
+
+    dense_layer_act = layer(False)
+    moe_layer_act = layer(True) if model.is_moe else 0.0
     stride = config.world_size // plan.pp
     context = config.cluster.gpu.context_bytes
     out = []
     # Stages of equal shape (same layer count and kind, not first/last) hold the same weights:
     # compute each shape once (the advisor calls this for thousands of plans of up to 64 stages).
-    shapes: dict[tuple, tuple[_StageParams, dict[str, float], float, int]] = {}
+    shapes: dict[tuple, tuple[_StageParams, dict[str, float], float, int, float]] = {}
 
-    def stage_shape(stage: int) -> tuple[_StageParams, dict[str, float], float, int]:
+    def stage_shape(stage: int) -> tuple[_StageParams, dict[str, float], float, int, float]:
         first, last = stage == 0, stage == n_stages - 1
         n_moe = _moe_layers_in(model, starts[stage], counts[stage])
         key = (counts[stage], n_moe, first, last)
@@ -368,51 +489,81 @@ def estimate_memory(config: RunConfig) -> MemoryBill:
                 for name, val in model_state_bytes(sp_.experts, train, plan.zero_stage, zero_e).items():
                     states[name] += val
             per_mb = (counts[stage] - n_moe) * dense_layer_act + n_moe * moe_layer_act
+            if first and train.dropout:
+                per_mb += sb * h / sp  # the dropout mask after the embeddings (Korthikanti 4.3: sbhp/t)
             if last:
-                per_mb += output_activation_bytes(model, train, plan)
-            shapes[key] = (sp_, states, per_mb, n_moe)
+                per_mb += output_activation_bytes(model, train, plan, conventions, vocab_parallel)
+            working = max(backward_working(False) if counts[stage] > n_moe else 0.0,
+                          backward_working(True) if n_moe else 0.0)
+            shapes[key] = (sp_, states, per_mb, n_moe, working)
         return shapes[key]
 
     for r in range(plan.pp):
         stages = plan.stages_of_rank(r)
         in_flight = in_flight_microbatches(plan, m, r)
         comps = dict.fromkeys(COMPONENTS, 0.0)
-        largest_unit = 0.0
+        block_unit = root_unit = head = 0.0
         act = 0.0
-        working_layer = 0.0
-        pp_buffers = 0.0
+        working = 0.0  # the worst block backward of the stages held
+        recv = 0.0  # pipeline receive buffers, live through the whole step
+        held_to_step = 0.0  # live through forward and backward, freed before the optimizer step
+        loss = 0.0  # the loss's backward, on the rank holding the last stage
+        first_and_last = 0 in stages and n_stages - 1 in stages
         for stage, held in zip(stages, in_flight):
             first, last = stage == 0, stage == n_stages - 1
-            sp_, states, per_mb, n_moe = stage_shape(stage)
-            largest_unit = max(largest_unit, sp_.largest_unit)
+            sp_, states, per_mb, n_moe, stage_working = stage_shape(stage)
+            block_unit = max(block_unit, sp_.block_unit)
+            root_unit += sp_.root_unit
+            head += sp_.head
             for name, val in states.items():
                 comps[name] += val
             act += held * per_mb
-            if train.recompute == "full":
-                # backward recomputes one block at a time: its full activations are live once
-                full_layer = activation_bytes_per_layer(model, train, plan, moe=n_moe > 0, recompute="none",
-                                                        conventions=conventions)
-                working_layer = max(working_layer, full_layer)
-            # torch.distributed.pipelining's PipelineStage allocates a receive buffer per
-            # micro-batch: activations on every stage but the first, gradients on all but the last.
-            if plan.pp > 1:
-                pp_buffers += m * boundary * ((0 if first else 1) + (0 if last else 1))
-        comps["activations"] = act + working_layer
-        buffers = pp_buffers
-        if zero_d > 1 and plan.zero_stage == 3:
-            # FSDP: the unit being computed and those prefetched, unsharded in compute dtype
-            buffers += conventions.fsdp_units_in_flight * largest_unit * e
-        if zero_d > 1 and plan.zero_stage >= 2:
-            # unsharded gradients of a unit before (and while) they are reduce-scattered
-            buffers += 2 * largest_unit * grad_b
-        elif plan.dp > 1 or plan.cp > 1:
-            buffers += 2 * DDP_BUCKET_BYTES  # DDP: the bucket being reduced and the one filling
-        if sp > 1:
-            buffers += e * sb * model.d_model  # sequence-parallel all-gather output (one at a time)
-        if n_stages - 1 in stages:
-            # gradient of the logits (fp32) at the start of backward
-            buffers += 4 * sb * model.vocab_size / (t if plan.loss_parallel else 1)
-        comps["buffers"] = buffers
+            working = max(working, stage_working)
+            if plan.pp > 1 and recv_per_microbatch:
+                # torch.distributed.pipelining: a receive buffer per micro-batch, kept: activations
+                # on every stage but the first (those of the micro-batches in flight are their
+                # first block's input, billed in activations), gradients on every stage but the last
+                recv += boundary * ((0 if first else m - held) + (0 if last else m))
+            elif plan.pp > 1:
+                recv += boundary * (0 if last else 1)  # the gradient being received (Megatron)
+            if accumulate_unsharded:
+                # every unit's gradients, unsharded, until the last micro-batch; the sharded ones
+                # of the model states exist only after it (zero_grad(set_to_none=True))
+                held_to_step += grad_b * sp_.dense * (1 - 1 / zero_d)
+            if last:
+                # The loss's backward: the fp32 gradients of the log-probabilities and of the logits
+                # (torch: F.cross_entropy on logits.float(); Megatron: in place, cast to bf16).
+                loss = loss_grad_bytes * logits
+                if plan.pp > 1 and keeps_outputs:
+                    held_to_step += m * e * logits  # every micro-batch's logits, kept until step() returns
+        # FSDP (FSDP2 fully_shard per block, then the root) during a block's backward.
+        fsdp = 0.0
+        if sharded_params:
+            # the unit computing and the one prefetched, unsharded in the compute dtype (FSDP2's
+            # forward and backward prefetch of 1); the root unit (embeddings, output projection),
+            # gathered for the output projection's backward and held until its embeddings' gradient,
+            # the last of the backward, is reduce-scattered
+            fsdp += conventions.fsdp_units_in_flight * e * block_unit + e * root_unit
+        if sharded_grads:
+            fsdp += e * block_unit  # the unit's gradients from autograd, in its unsharded params' dtype
+            if not accumulate_unsharded:
+                # FSDP2 copies them into a reduce-scatter input in the reduce dtype and keeps one
+                # such input in flight (reduce_scatter_max_input_buffers = 1)
+                fsdp += grad_b * block_unit
+                if first_and_last:
+                    fsdp += e * head  # the output projection's gradient waits for the embeddings'
+        elif plan.dp * plan.cp > 1:
+            # replicated gradients: FSDP2's replicate (the bundled trainer) copies one unit's
+            # gradients into an all-reduce buffer in the reduce dtype; torch DDP and Megatron
+            # reduce buckets (25 MiB: the one reducing and the one filling)
+            fsdp += max(2 * DDP_BUCKET_BYTES, grad_b * block_unit)
+        loss_moment = loss + (e * root_unit if sharded_params else 0.0)  # the root unit is still gathered
+        # The optimizer step, after the activations are freed: foreach Adam's sqrt(v) temporary,
+        # one element per element of the optimizer's (sharded) parameters, in the optimizer dtype.
+        step = (comps["optimizer"] / train.optimizer_states
+                if foreach_optimizer and train.optimizer in ("adam", "adamw") else 0.0)
+        comps["activations"] = act
+        comps["buffers"] = recv + max(held_to_step + max(loss_moment, working + fsdp), step - act)
         allocated = sum(comps.values())
         comps["overhead"] = context + train.fragmentation * allocated
         out.append(

@@ -34,6 +34,7 @@ from typing import Any, Mapping
 from workbench.spec.errors import ConfigError, check_positive, require
 
 TIERS = ("intra_node", "inter_node", "inter_leaf")
+SELECTIVE_POLICIES = ("attention", "op")
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,34 @@ class MemoryConventions:
       prefetched (FSDP2's default forward/backward prefetch of 1).
     allocator_fragmentation: reserved over allocated bytes, less 1: the caching allocator's
       fragmentation (PyTorch LLM training measures 1.03-1.10).
+    selective_policy: what ``recompute="selective"`` keeps (:data:`SELECTIVE_POLICIES`).
+      "attention": Korthikanti's, the attention core recomputed (the bundled trainer's apply_ac,
+      Megatron's ``--recompute-granularity selective``); "op": torchtitan's per-op policy (the
+      outputs of every other matmul and of SDPA kept).
+    vocab_parallel_loss: the cross-entropy always runs on vocabulary shards under TP (Megatron's
+      vocab_parallel_cross_entropy); torch shards it only under loss_parallel.
+    loss_grad_bytes_per_logit: bytes per logit the loss's backward allocates beyond the saved fp32
+      log-probabilities. torch's ``F.cross_entropy(logits.float(), ...)`` (bundled, torchtitan): 8,
+      nll_loss's fp32 gradient of the log-probabilities and log_softmax's fp32 gradient of its
+      input, live at once. Megatron computes the gradient in place in its saved fp32 softmax and
+      casts it to bf16: 2.
+    pipeline_keeps_outputs: torch.distributed.pipelining's last stage keeps every micro-batch's
+      output, the logits, until the step ends unless ``step(return_outputs=False)``: the bundled
+      trainer keeps them; torchtitan passes ``return_outputs=False`` (since Oct 2025); Megatron
+      drops each after its loss.
+    fsdp_no_sync_accumulation: gradient accumulation without pipelining skips FSDP's
+      reduce-scatter until the last micro-batch (``set_requires_gradient_sync(False)``), so FSDP2
+      keeps every unit's gradients unsharded in the reduce dtype: the bundled trainer does;
+      torchtitan and Composer reduce-scatter every micro-batch.
+    pipeline_fsdp_no_sync: the pipeline runtime does the same on every micro-batch of a step
+      (``PipelineStage.backward_maybe_with_nosync``); Megatron's pipeline accumulates into its
+      gradient buffers, the model states' gradients.
+    pipeline_recv_per_microbatch: torch.distributed.pipelining allocates a receive buffer for every
+      micro-batch of the step and keeps them; Megatron receives each tensor into a fresh one, held
+      only while its micro-batch is in flight (then it is the stage input billed in activations).
+    foreach_optimizer: the optimizer step runs torch's foreach Adam, whose ``sqrt(v)`` is a
+      temporary as large as the optimizer's parameters (bundled, torchtitan); Megatron's fused Adam
+      (Apex / Transformer Engine) has none.
     """
 
     sp_inputs_gathered: bool = True
@@ -105,6 +134,14 @@ class MemoryConventions:
     rope_cache_per_layer: bool = True
     fsdp_units_in_flight: int = 2
     allocator_fragmentation: float = 0.05
+    selective_policy: str = "attention"
+    vocab_parallel_loss: bool = False
+    loss_grad_bytes_per_logit: float = 8.0
+    pipeline_keeps_outputs: bool = True
+    fsdp_no_sync_accumulation: bool = True
+    pipeline_fsdp_no_sync: bool = True
+    pipeline_recv_per_microbatch: bool = True
+    foreach_optimizer: bool = True
 
     def __post_init__(self) -> None:
         require(0 <= self.allocator_fragmentation < 1,
@@ -114,6 +151,15 @@ class MemoryConventions:
                 f"memory.fsdp_units_in_flight={self.fsdp_units_in_flight!r} must be an integer >= 1 "
                 "(the unit computing, plus those prefetched)",
                 field="memory.fsdp_units_in_flight", value=self.fsdp_units_in_flight)
+        require(self.selective_policy in SELECTIVE_POLICIES,
+                f"memory.selective_policy={self.selective_policy!r} is not one of {', '.join(SELECTIVE_POLICIES)}",
+                field="memory.selective_policy", value=self.selective_policy)
+        check_positive("memory.loss_grad_bytes_per_logit", self.loss_grad_bytes_per_logit, allow_zero=True)
+        for f in fields(self):
+            if f.type in ("bool", bool):
+                value = getattr(self, f.name)
+                require(isinstance(value, bool), f"memory.{f.name}={value!r} must be true or false",
+                        field=f"memory.{f.name}", value=value)
 
 
 @dataclass(frozen=True)
@@ -255,13 +301,18 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
         name="megatron",
         description="Megatron-LM / Megatron-Core: Korthikanti's activations (SP inputs kept sharded), "
                     "distributed optimizer, TP communication overlapped with the GEMMs",
-        memory=MemoryConventions(sp_inputs_gathered=False, cp_fp32_output=False, rope_cache_per_layer=False),
+        memory=MemoryConventions(sp_inputs_gathered=False, cp_fp32_output=False, rope_cache_per_layer=False,
+                                 vocab_parallel_loss=True, loss_grad_bytes_per_logit=2.0,
+                                 pipeline_keeps_outputs=False, fsdp_no_sync_accumulation=False,
+                                 pipeline_fsdp_no_sync=False, pipeline_recv_per_microbatch=False,
+                                 foreach_optimizer=False),
         in_stage_comm_exposed=(("intra_node", 0.5), ("inter_node", 1.0), ("inter_leaf", 1.0)),
     ),
     "fsdp": FrameworkProfile(
         name="fsdp",
         description="PyTorch FSDP / FSDP2 with flash attention, no TP (torchtitan-FSDP, Composer, Accelerate)",
-        memory=MemoryConventions(sp_inputs_gathered=False, cp_fp32_output=False, rope_cache_per_layer=False),
+        memory=MemoryConventions(sp_inputs_gathered=False, cp_fp32_output=False, rope_cache_per_layer=False,
+                                 pipeline_keeps_outputs=False, fsdp_no_sync_accumulation=False),
     ),
 }
 DEFAULT_FRAMEWORK = "bundled"
