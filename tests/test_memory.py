@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from workbench import Cluster, ConfigError, ModelSpec, ParallelPlan, RunConfig, TrainSettings
+from workbench.spec.framework import FRAMEWORKS
 from workbench.predict.memory import (
     COMPONENTS,
     activation_bytes_per_layer,
@@ -217,12 +218,18 @@ def test_first_stage_holds_most_activations_last_holds_logits():
     assert acts[0] > acts[1] > acts[2]
     # the last stage holds 1 micro-batch but also the fp32 log-probabilities over the vocabulary
     assert bill.per_stage[-1].components["buffers"] > bill.per_stage[1].components["buffers"]
-    # ... and torch.distributed.pipelining keeps every micro-batch's logits (8 x 4096 x 128256 in
-    # bf16, PipelineStage.output_chunks) until the step ends: without loss_parallel the last
-    # stage, not the first, is the most loaded
+    # ... and a torch pipeline that returns its outputs (schedule.step(return_outputs=True), torch's
+    # default; the bundled trainer passes False) keeps every micro-batch's logits (8 x 4096 x
+    # 128256 in bf16, PipelineStage.output_chunks) until the step ends: without loss_parallel the
+    # last stage, not the first, is then the most loaded
     logits = 4096 * 128256 * 2
-    assert bill.per_stage[-1].components["buffers"] >= 8 * logits
-    assert bill.most_loaded_rank == 6
+    assert bill.per_stage[-1].components["buffers"] < 8 * logits
+    keeps = replace(FRAMEWORKS["bundled"], name="keeps-outputs",
+                    memory=replace(FRAMEWORKS["bundled"].memory, pipeline_keeps_outputs=True))
+    kept = estimate_memory(config("llama3-8b", nodes=1, pp=4, tp=2,
+                                  train=TrainSettings(seq_len=4096, global_batch_size=8, framework=keeps)))
+    assert kept.per_stage[-1].components["buffers"] >= 8 * logits + bill.per_stage[-1].components["buffers"] * 0.5
+    assert kept.most_loaded_rank == 6
     sharded = estimate_memory(config("llama3-8b", nodes=1, pp=4, tp=2, loss_parallel=True,
                                      train=TrainSettings(seq_len=4096, global_batch_size=8)))
     # loss_parallel splits the logits over the 2 TP ranks: the last stage's buffers about halve

@@ -111,9 +111,9 @@ class MemoryConventions:
       input, live at once. Megatron computes the gradient in place in its saved fp32 softmax and
       casts it to bf16: 2.
     pipeline_keeps_outputs: torch.distributed.pipelining's last stage keeps every micro-batch's
-      output, the logits, until the step ends unless ``step(return_outputs=False)``: the bundled
-      trainer keeps them; torchtitan passes ``return_outputs=False`` (since Oct 2025); Megatron
-      drops each after its loss.
+      output, the logits, until the step ends unless ``step(return_outputs=False)``, which the
+      bundled trainer and torchtitan (since Oct 2025) pass; Megatron drops each after its loss.
+      True prices a torch pipeline run that returns its outputs.
     fsdp_no_sync_accumulation: gradient accumulation without pipelining skips FSDP's
       reduce-scatter until the last micro-batch (``set_requires_gradient_sync(False)``), so FSDP2
       keeps every unit's gradients unsharded in the reduce dtype: the bundled trainer does;
@@ -137,7 +137,7 @@ class MemoryConventions:
     selective_policy: str = "attention"
     vocab_parallel_loss: bool = False
     loss_grad_bytes_per_logit: float = 8.0
-    pipeline_keeps_outputs: bool = True
+    pipeline_keeps_outputs: bool = False
     fsdp_no_sync_accumulation: bool = True
     pipeline_fsdp_no_sync: bool = True
     pipeline_recv_per_microbatch: bool = True
@@ -303,8 +303,7 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
                     "distributed optimizer, TP communication overlapped with the GEMMs",
         memory=MemoryConventions(sp_inputs_gathered=False, cp_fp32_output=False, rope_cache_per_layer=False,
                                  vocab_parallel_loss=True, loss_grad_bytes_per_logit=2.0,
-                                 pipeline_keeps_outputs=False, fsdp_no_sync_accumulation=False,
-                                 pipeline_fsdp_no_sync=False, pipeline_recv_per_microbatch=False,
+                                 fsdp_no_sync_accumulation=False, pipeline_fsdp_no_sync=False, pipeline_recv_per_microbatch=False,
                                  foreach_optimizer=False),
         in_stage_comm_exposed=(("intra_node", 0.5), ("inter_node", 1.0), ("inter_leaf", 1.0)),
     ),
@@ -312,7 +311,7 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
         name="fsdp",
         description="PyTorch FSDP / FSDP2 with flash attention, no TP (torchtitan-FSDP, Composer, Accelerate)",
         memory=MemoryConventions(sp_inputs_gathered=False, cp_fp32_output=False, rope_cache_per_layer=False,
-                                 pipeline_keeps_outputs=False, fsdp_no_sync_accumulation=False),
+                                 fsdp_no_sync_accumulation=False),
     ),
 }
 DEFAULT_FRAMEWORK = "bundled"

@@ -278,11 +278,13 @@ def train_step(trainer: Trainer) -> dict[str, Any]:
                 module.default_positions = positions
             losses: list[torch.Tensor] = []
             args = (tokens,) if holds_first(plan, pp_rank) else ()
+            # return_outputs=False: the last stage would otherwise keep every micro-batch's
+            # logits until the step ends (m x s x V values); the losses are all the step needs.
             if holds_last(plan, pp_rank):
-                trainer.pipeline.schedule.step(*args, target=targets, losses=losses)
+                trainer.pipeline.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
                 local_loss = torch.stack([_plain(x.detach()).float() for x in losses]).sum()
             else:
-                trainer.pipeline.schedule.step(*args)
+                trainer.pipeline.schedule.step(*args, return_outputs=False)
         else:
             model = trainer.modules[0]
             for i in range(m):
