@@ -5,6 +5,7 @@ import math
 import pytest
 
 from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
+from workbench.predict import advisor
 from workbench.predict.advisor import advise
 from workbench.predict.cost import estimate_cost, optimal_checkpoint_interval
 from workbench.predict.memory import estimate_memory
@@ -75,6 +76,62 @@ def test_moe_search_uses_expert_parallel():
                     TrainSettings(seq_len=4096, global_batch_size=64).with_precision("bf16-megatron"), top=10)
     assert advice, "some plan must fit"
     assert any(c.plan.ep > 1 for c in advice)
+
+
+# ---------------------------------------------------------------------------- pruning by the bound
+GPT2 = ModelSpec(n_layers=12, d_model=768, n_heads=12, vocab_size=50304, name="gpt2-small")
+# (model, cluster, train, top): dense and MoE, a profile of its own, eager attention with dropout,
+# a batch resolved from the plan (global_batch_size=0)
+SEARCHES = {
+    "gpt2": (GPT2, Cluster.preset("dgx-h100", nodes=1), TrainSettings(seq_len=1024, global_batch_size=64), 3),
+    "mixtral": (ModelSpec.preset("mixtral-8x7b"), Cluster.preset("dgx-h100", nodes=2),
+                TrainSettings(seq_len=4096, global_batch_size=64).with_precision("bf16-megatron"), 10),
+    "llama3-8b-eager-megatron": (ModelSpec.preset("llama3-8b"), Cluster.preset("dgx-h100", nodes=4),
+                                 TrainSettings(seq_len=2048, global_batch_size=128, attention="eager", dropout=True,
+                                               framework="megatron").with_precision("bf16-zero"), 10),
+    "llama3-8b-gbs0": (ModelSpec.preset("llama3-8b"), Cluster.preset("dgx-h100", nodes=8),
+                       TrainSettings(seq_len=8192).with_precision("bf16-megatron"), 5),
+}
+
+
+def _answer(advice):
+    return ([(c.rank, c.config, c.prediction, c.memory.peak_bytes, c.explanation) for c in advice],
+            advice.baseline.reason, advice.gain_over_baseline(), list(advice.rejections.items()))
+
+
+@pytest.mark.parametrize("name", sorted(SEARCHES))
+def test_pruned_search_gives_the_exhaustive_answer(name):
+    """The bound only skips plans that cannot change the answer: same plans, predictions,
+    explanations (whose alternatives may lie outside the front runners) and rejections."""
+    model, cluster, train, top = SEARCHES[name]
+    pruned = advise(model, cluster, train, top=top)
+    exhaustive = advisor._advise(model, cluster, train, top=top, prune=False)
+    assert _answer(pruned) == _answer(exhaustive)
+    assert exhaustive.stats["pruned"] == 0
+    assert pruned.stats["pruned"] > 0 and pruned.stats["predicted"] < exhaustive.stats["predicted"]
+
+
+@pytest.mark.parametrize("name", sorted(SEARCHES))
+def test_step_floor_is_under_every_screened_prediction(name):
+    model, cluster, train, top = SEARCHES[name]
+    candidates = advisor._search(advisor._Search(model, cluster, train, prune=False), top)
+    assert candidates
+    for c in candidates:
+        screened = predict_step(c.config, memory=c.memory, simulate=False).step_time_s
+        # the bound holds for the candidate's recomputation and every cheaper one
+        for recompute in advisor.RECOMPUTE_ORDER[: advisor.RECOMPUTE_ORDER.index(c.train.recompute) + 1]:
+            for bubble in (False, True):
+                assert advisor._step_floor(c.config, recompute, bubble) <= screened, (c.summary(), recompute, bubble)
+
+
+def test_a_broken_bound_falls_back_to_the_exhaustive_search(monkeypatch):
+    model, cluster, train, top = SEARCHES["gpt2"]
+    exhaustive = advisor._advise(model, cluster, train, top=top, prune=False)
+    real = advisor._step_floor
+    monkeypatch.setattr(advisor, "_step_floor", lambda *a, **k: 100 * real(*a, **k))  # no longer a lower bound
+    with pytest.warns(RuntimeWarning, match="bound"):
+        advice = advise(model, cluster, train, top=top)
+    assert _answer(advice) == _answer(exhaustive) and advice.stats["pruned"] == 0
 
 
 # ---------------------------------------------------------------------------- cost

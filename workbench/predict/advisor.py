@@ -14,20 +14,33 @@ throughput, and explain the winners along the conservative scaling order:
 
 Pruning that cannot change the answer: a cheaper recomputation or a lower ZeRO stage that already
 fits dominates the costlier ones (same plan, less work or less communication), so those are not
-predicted. The naive baseline ("just add devices": plain data parallel over every GPU with nothing
+predicted. Nor are the plans that a bound shows cannot reach the answer: each slot of the search (a
+plan shape, a pipeline schedule and a micro-batch size) has a ceiling on its tokens/s from compute
+alone (:func:`_step_floor`: no communication, no optimizer step), and the slots are searched best
+ceiling first until none left can reach the front runners (the screen's ``3 top + 10`` best, which
+get the full pipeline simulation) nor beat the best plan of a structure an explanation compares
+with (fewer or more pipeline stages, less or more tensor parallelism). The answer is the exhaustive
+search's (every prediction is checked against its bound; were one under it, the search would be
+redone without pruning, with a warning). ``Advice.stats`` counts what the search did: memory bills estimated (``plans``), invalid
+plans, bills that did not fit (``too_big``), predictions, and slots left unsearched (``pruned``).
+The naive baseline ("just add devices": plain data parallel over every GPU with nothing
 else changed) is always evaluated and returned with the answer.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
+import warnings
 from dataclasses import dataclass, field, replace
+from typing import Callable, Generator
 
 from workbench.spec.cluster import Cluster
-from workbench.spec.config import RunConfig, TrainSettings
+from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
 from workbench.spec.errors import ConfigError
 from workbench.predict.memory import MemoryBill, estimate_memory
 from workbench.spec.model import ModelSpec
-from workbench.predict.perf import StepPrediction, predict_step
+from workbench.predict.perf import StepPrediction, predict_step, unit_makespan
 from workbench.spec.plan import ParallelPlan
 
 GiB = float(1 << 30)
@@ -101,11 +114,67 @@ class _Search:
     model: ModelSpec
     cluster: Cluster
     train: TrainSettings
-    stats: dict[str, int] = field(default_factory=lambda: {"plans": 0, "invalid": 0, "too_big": 0, "predicted": 0})
-    rejections: dict[str, str] = field(default_factory=dict)
+    prune: bool = True  # False: search every slot (what the bound must not change; tests compare)
+    stats: dict[str, int] = field(
+        default_factory=lambda: {"plans": 0, "invalid": 0, "too_big": 0, "predicted": 0, "pruned": 0})
+    # (position in the enumeration, family, why): the search meets them out of order
+    notes: list[tuple[int, str, str]] = field(default_factory=list)
+    floor_broken: bool = False  # a prediction beat its slot's bound: the bound no longer holds
+    _settings: dict[tuple[int, str], TrainSettings] = field(default_factory=dict)
+    _plans: dict[tuple, ParallelPlan] = field(default_factory=dict)
 
-    def note(self, family: str, why: str) -> None:
-        self.rejections.setdefault(family, why)
+    def note(self, position: int, family: str, why: str) -> None:
+        self.notes.append((position, family, why))
+
+    @property
+    def rejections(self) -> dict[str, str]:
+        """The first reason each plan family was rejected, in the order of enumeration."""
+        out: dict[str, str] = {}
+        for _, family, why in sorted(self.notes, key=lambda n: n[0]):
+            out.setdefault(family, why)
+        return out
+
+    def settings(self, mbs: int, recompute: str) -> TrainSettings:
+        # A search needs at most 9 distinct settings: validate each once, not once per plan.
+        key = (mbs, recompute)
+        if key not in self._settings:
+            self._settings[key] = replace(self.train, micro_batch_size=mbs, recompute=recompute)
+        return self._settings[key]
+
+    def plan(self, slot: "_Slot", zero: int) -> ParallelPlan:
+        # shared by the micro-batch sizes and recomputations of a shape and schedule
+        key = (tuple(slot.shape.items()), slot.schedule, slot.v, zero)
+        if key not in self._plans:
+            self._plans[key] = ParallelPlan(pp_schedule=slot.schedule, virtual_stages=slot.v, zero_stage=zero,
+                                            sequence_parallel=True, **slot.shape)
+        return self._plans[key]
+
+    def config(self, slot: "_Slot", recompute: str, zero: int) -> RunConfig | ConfigError:
+        try:
+            return RunConfig(self.model, self.cluster, self.plan(slot, zero), self.settings(slot.mbs, recompute))
+        except ConfigError as e:
+            return e
+
+    def invalid(self, slot: "_Slot", zero: int, error: ConfigError) -> None:
+        self.stats["invalid"] += 1
+        self.note(slot.index, self.plan(slot, zero).describe(), str(error))
+
+    def drain(self, heap: list, needed: Callable[[float], bool],
+              found: Callable[["_Slot", PlanCandidate], None]) -> None:
+        """Search the slots of ``heap`` (``(-ceiling, index, slot)``), best ceiling first, while
+        ``needed(ceiling)`` (always, without pruning); a slot whose bound tightens goes back in."""
+        while heap and (not self.prune or needed(-heap[0][0])):
+            _, index, slot = heapq.heappop(heap)
+            try:
+                recompute, bubble = next(slot.steps)
+            except StopIteration as end:
+                if end.value is not None:
+                    if end.value.prediction.tokens_per_s > slot.ceiling:
+                        self.floor_broken = True
+                    found(slot, end.value)
+                continue
+            slot.ceiling = slot.ceiling_at(recompute, bubble)
+            heapq.heappush(heap, (-slot.ceiling, index, slot))
 
 
 def _schedules(pp: int, n_layers: int) -> list[tuple[str, int]]:
@@ -153,42 +222,228 @@ def _plan_shapes(s: _Search) -> list[dict[str, int]]:
     return shapes
 
 
-def _candidate(s: _Search, shape: dict[str, int], schedule: str, v: int, mbs: int) -> PlanCandidate | str:
-    """The cheapest recomputation and lowest ZeRO stage that fit, predicted; else why not:
-    "invalid" or "too_big"."""
-    base_train = replace(s.train, micro_batch_size=mbs)
-    zero_stages = (1, 2, 3) if shape["dp_shard"] * shape["cp"] > 1 else (0,)
+class _Slot:
+    """One point of the search: a plan shape, a pipeline schedule and a micro-batch size. Its
+    variants (recomputation x ZeRO stage) are tried cheapest first; the first that fits is its
+    candidate. ``steps`` runs that search a piece at a time (see :meth:`_steps`)."""
 
-    def build(recompute: str, zero: int) -> RunConfig | None:
-        plan = ParallelPlan(pp_schedule=schedule, virtual_stages=v, zero_stage=zero, sequence_parallel=True, **shape)
-        try:
-            return RunConfig(s.model, s.cluster, plan, replace(base_train, recompute=recompute))
-        except ConfigError as e:
-            s.stats["invalid"] += 1
-            s.note(plan.describe(), str(e))
+    def __init__(self, s: _Search, index: int, shape: dict[str, int], schedule: str, v: int, mbs: int,
+                 earlier: tuple["_Slot", ...]):
+        self.index, self.shape, self.schedule, self.v, self.mbs = index, shape, schedule, v, mbs
+        self.earlier = earlier  # the valid slots of this shape and schedule with smaller micro-batches
+        self.zero_stages = (1, 2, 3) if shape["dp_shard"] * shape["cp"] > 1 else (0,)
+        # The leanest variant: if full recomputation with the highest ZeRO stage does not fit,
+        # nothing of this slot does (the 8 other variants are not evaluated). Validation depends on
+        # neither the recomputation nor the ZeRO stage, so it decides for every variant.
+        lean = s.config(self, RECOMPUTE_ORDER[-1], self.zero_stages[-1])
+        self.error = lean if isinstance(lean, ConfigError) else None
+        self.lean = None if self.error else lean
+        self._s = s
+        self._lean_bill: MemoryBill | None = None
+        self._stages = _stage_floors(self.lean) if self.lean else ()
+        # Without the bubble at first: simulating every slot's schedule would cost more than the
+        # pruning saves; a slot that fits and is still in the race gets it before its variants.
+        self.ceiling = self.ceiling_at(RECOMPUTE_ORDER[0], bubble=False) if self.lean else 0.0
+        self.steps = self._steps()
+
+    def ceiling_at(self, recompute: str, bubble: bool = True) -> float:
+        """Tokens/s that no variant with ``recompute`` or a costlier recomputation can exceed."""
+        floor = _step_floor(self.lean, recompute, bubble, self._stages) * (1 - 1e-9)  # rounding margin
+        return self.lean.tokens_per_step / floor if floor > 0 else math.inf
+
+    def lean_fits(self) -> bool:
+        if self._lean_bill is None:
+            self._s.stats["plans"] += 1
+            self._lean_bill = estimate_memory(self.lean)
+            self._lean_fit = bool(self._lean_bill.fits())
+            if not self._lean_fit:
+                self._s.stats["too_big"] += 1
+        return self._lean_fit
+
+    def reached(self) -> bool:
+        """Whether the search gets here: a shape and schedule are searched in increasing
+        micro-batch size up to the first that does not fit (a larger one holds more activations:
+        it will not fit either)."""
+        return all(e.lean_fits() for e in self.earlier)
+
+    def _steps(self) -> Generator[tuple[str, bool], None, PlanCandidate | None]:
+        """Yields ``(recompute, bubble)``, the bound (:meth:`ceiling_at`) that holds from there on,
+        each time it tightens: once the leanest variant fits (now with the bubble), and before
+        each costlier recomputation. The caller resumes it only while that bound can still
+        matter. Returns the candidate, predicted; or None: not reached, too big or invalid."""
+        s = self._s
+        if not self.reached() or not self.lean_fits():
             return None
+        if self.lean.plan.pp > 1:
+            yield RECOMPUTE_ORDER[0], True
+        for recompute in RECOMPUTE_ORDER:
+            if recompute != RECOMPUTE_ORDER[0]:
+                yield recompute, True
+            for zero in self.zero_stages:
+                if (recompute, zero) == (RECOMPUTE_ORDER[-1], self.zero_stages[-1]):
+                    cfg, bill = self.lean, self._lean_bill  # already estimated (and it fits)
+                else:
+                    cfg = s.config(self, recompute, zero)
+                    if isinstance(cfg, ConfigError):
+                        # Not while validation ignores the variant (see __init__); handled as the
+                        # exhaustive search always did: the slot is invalid. (A pruned search would
+                        # then miss the rejections of the variants it never builds.)
+                        s.invalid(self, zero, cfg)
+                        return None
+                    s.stats["plans"] += 1
+                    bill = estimate_memory(cfg)
+                if bill.fits():
+                    s.stats["predicted"] += 1
+                    return PlanCandidate(cfg, bill, predict_step(cfg, memory=bill, simulate=False))
+                s.stats["too_big"] += 1
+        return None
 
-    # The leanest variant first: if full recomputation with the highest ZeRO stage does not fit,
-    # nothing of this shape does (the 8 other variants are not evaluated).
-    lean = build("full", zero_stages[-1])
-    if lean is None:
-        return "invalid"
-    s.stats["plans"] += 1
-    if not estimate_memory(lean).fits():
-        s.stats["too_big"] += 1
-        return "too_big"
-    for recompute in RECOMPUTE_ORDER:
-        for zero in zero_stages:
-            s.stats["plans"] += 1
-            cfg = build(recompute, zero)
-            if cfg is None:
-                return "invalid"  # the same rule fails for every recompute / zero stage
-            bill = estimate_memory(cfg)
-            if bill.fits():
-                s.stats["predicted"] += 1
-                return PlanCandidate(cfg, bill, predict_step(cfg, memory=bill, simulate=False))
-            s.stats["too_big"] += 1
-    return "too_big"
+
+def _stage_floors(config: RunConfig) -> tuple[tuple[float, float, float], ...]:
+    """(forward, backward, attention) seconds of each distinct pipeline stage of ``config``, per
+    micro-batch, from compute alone: the terms of :func:`_step_floor`."""
+    model, plan, train, cluster = config.model, config.plan, config.train, config.cluster
+    eff = train.profile.efficiency
+    t = plan.tp
+    sp = t if (plan.sequence_parallel and t > 1) else 1
+    e = DTYPE_BYTES[train.compute_dtype]
+    tokens = train.micro_batch_size * train.seq_len / plan.cp
+    dtype = train.compute_dtype
+    rate = cluster.achieved_flops(dtype) or cluster.gpu.peak_flops(dtype) * eff.matmul
+    attn_rate = rate / eff.matmul * eff.attention
+    hbm = cluster.gpu.hbm_bandwidth_bytes_per_s * eff.memory or 1e12
+    h, mats = model.d_model, (3 if model.activation == "swiglu" else 2)  # (gate, up,) down
+    attn_gemms = h * (model.q_dim + 2 * model.kv_dim) + model.q_dim * h  # QKV and output projection
+    dense_mm = 2 * tokens * (attn_gemms + mats * h * model.d_ff) / t / rate
+    moe_mm = 0.0
+    if model.is_moe:  # the router, the top_k experts each token visits, the shared experts
+        shared = model.n_shared_experts * (model.shared_d_ff or model.moe_d_ff)
+        moe_mm = 2 * tokens * ((attn_gemms + mats * h * (model.top_k * model.moe_d_ff + shared)) / t
+                               + h * model.n_experts) / rate
+    hidden_moe = model.top_k * model.moe_d_ff + model.n_shared_experts * (model.shared_d_ff or 0)
+    attn = 4 * tokens * (train.seq_len / 2) * model.q_dim / t / attn_rate  # per layer, forward
+    counts = plan.stage_layer_counts(model.n_layers)
+    kinds = set()  # stages alike in layers, MoE layers and first/last cost the same
+    start = 0
+    for stage, n in enumerate(counts):
+        n_moe = max(0, start + n - max(start, model.first_k_dense_layers)) if model.is_moe else 0
+        kinds.add((n, n_moe, stage == 0, stage == len(counts) - 1))
+        start += n
+    out = []
+    for n, n_moe, first, last in kinds:
+        mm = (n - n_moe) * dense_mm + n_moe * moe_mm
+        elem = tokens * e * (n * eff.elementwise_bytes_per_hidden * h / sp
+                             + eff.elementwise_bytes_per_ff * ((n - n_moe) * model.d_ff + n_moe * hidden_moe) / t)
+        if last:  # output projection and the fp32 cross-entropy
+            mm += 2 * tokens * h * model.vocab_size / t / rate
+            elem += tokens * 4 * 3 * model.vocab_size / (t if plan.loss_parallel else 1)
+        if first:  # embedding gather
+            elem += tokens * e * 2 * h / sp
+        elem /= hbm
+        launch = eff.launch_overhead_s_per_layer * n
+        out.append((mm + n * attn + elem + launch,
+                    2 * mm + eff.backward_attention_ratio * n * attn + 2 * elem + 2 * launch, n * attn))
+    return tuple(out)
+
+
+def _step_floor(config: RunConfig, recompute: str, bubble: bool = True,
+                stages: tuple[tuple[float, float, float], ...] | None = None) -> float:
+    """A lower bound, in seconds, of the screened step time (``predict_step(c, simulate=False)``)
+    of every config ``c`` that is ``config`` under ``recompute`` or a costlier recomputation, at
+    any ZeRO stage.
+
+    Compute alone, at the rates of the job's profile: GEMM FLOPs at the large-GEMM rate (smaller
+    GEMMs only run slower), attention at a causal flash kernel's FLOPs (eager attention computes
+    more), element-wise bytes through HBM, kernel launches, the output layer on the last stage and
+    the embedding on the first; forward, backward and the recomputed part of the slowest stage,
+    through the schedule's equal-stage makespan as the screen does. Communication, the optimizer
+    step, dropout and per-micro-batch overheads are left out: they only add time. The search prunes
+    with it, so it must stay under :func:`~workbench.predict.perf.predict_step` (tests check it).
+    ``bubble=False`` drops the bubble too: a rank's own work, ``v m`` forwards (1 unit) and backwards
+    (2 units) of the slowest stage, with no schedule to simulate. ``stages``: the config's
+    :func:`_stage_floors`, if already computed.
+    """
+    plan = config.plan
+    slowest = 0.0
+    for forward, backward, attn in stages or _stage_floors(config):
+        extra = forward if recompute == "full" else attn if recompute == "selective" else 0.0
+        slowest = max(slowest, forward + backward + extra)
+    m = config.n_microbatches
+    if plan.pp == 1:
+        return m * slowest
+    if not bubble:
+        return plan.virtual_stages * m * slowest
+    return unit_makespan(plan.pp_schedule, plan.pp, m, plan.virtual_stages) / 3 * slowest
+
+
+def _search(s: _Search, top: int) -> list[PlanCandidate]:
+    """Every candidate the answer depends on, ranked: the front runners (``3 top + 10``, by the
+    screen) fully simulated and re-ranked, then the other candidates searched, by the screen."""
+    gbs = s.train.global_batch_size
+    slots: list[_Slot] = []
+    position = 0  # in the enumeration: orders candidates of equal speed, and the rejections
+    for shape in _plan_shapes(s):
+        dp = shape["dp_replicate"] * shape["dp_shard"]
+        if gbs and gbs % dp:
+            s.note(position, f"dp={dp}", f"global_batch_size={gbs} is not divisible by dp={dp}")
+            position += 1
+            continue
+        per_dp = gbs // dp if gbs else 0
+        for schedule, v in _schedules(shape["pp"], s.model.n_layers):
+            earlier: list[_Slot] = []
+            for mbs in (1, 2, 4):
+                if per_dp and per_dp % mbs:
+                    continue
+                slot = _Slot(s, position, shape, schedule, v, mbs, tuple(earlier))
+                position += 1
+                if slot.error is not None:
+                    if slot.reached():  # rejections are those of the slots the search reaches
+                        s.invalid(slot, slot.zero_stages[-1], slot.error)
+                    continue
+                slots.append(slot)
+                earlier.append(slot)
+
+    # Best ceiling first, until no slot left can reach the front runners. Ties keep the order of
+    # enumeration, as the stable sort of the exhaustive search did.
+    n_front = 3 * top + 10
+    found: list[tuple[int, PlanCandidate]] = []
+    front: list[float] = []  # min-heap of the n_front best screened tokens/s
+
+    def admit(slot: _Slot, c: PlanCandidate) -> None:
+        found.append((slot.index, c))
+        (heapq.heappush if len(front) < n_front else heapq.heappushpop)(front, c.prediction.tokens_per_s)
+
+    pending = [(-slot.ceiling, slot.index, slot) for slot in slots]
+    heapq.heapify(pending)
+    s.drain(pending, lambda ceiling: len(front) < n_front or ceiling >= front[0], admit)
+    by_screen = sorted(found, key=lambda f: (-f[1].prediction.tokens_per_s, f[0]))
+    # Screened with the equal-stage pipeline bound; the front runners get the full simulation.
+    finalists = [replace(c, prediction=predict_step(c.config, memory=c.memory)) for _, c in by_screen[:n_front]]
+    finalists.sort(key=lambda c: -c.prediction.tokens_per_s)
+
+    # The explanations compare each winner with the best plan of each alternative structure: where
+    # no front runner has it, search the slots of that structure until none left can beat the best.
+    for c in finalists[:top]:
+        for _, differs in _ALTERNATIVES:
+            if any(differs(o.plan, c.plan) for o in finalists):
+                continue
+            inside = [p for p in pending if differs(p[2].lean.plan, c.plan)]
+            if not inside:
+                continue
+            best = [max((f[1].prediction.tokens_per_s for f in found if differs(f[1].plan, c.plan)), default=-math.inf)]
+
+            def admit_inside(slot: _Slot, cand: PlanCandidate) -> None:
+                admit(slot, cand)
+                best[0] = max(best[0], cand.prediction.tokens_per_s)
+
+            pending = [p for p in pending if not differs(p[2].lean.plan, c.plan)]
+            heapq.heapify(inside)
+            s.drain(inside, lambda ceiling: ceiling >= best[0], admit_inside)
+            pending += inside
+            heapq.heapify(pending)
+    s.stats["pruned"] = len(pending)
+    rest = sorted(found, key=lambda f: (-f[1].prediction.tokens_per_s, f[0]))[n_front:]
+    return finalists + [c for _, c in rest]
 
 
 def _baseline(model: ModelSpec, cluster: Cluster, train: TrainSettings) -> Baseline:
@@ -208,35 +463,39 @@ def _baseline(model: ModelSpec, cluster: Cluster, train: TrainSettings) -> Basel
 
 
 def advise(model: ModelSpec, cluster: Cluster, train: TrainSettings, top: int = 10) -> Advice:
-    """Search every valid plan; return the ``top`` by predicted throughput, explained."""
-    s = _Search(model, cluster, train)
-    gbs = train.global_batch_size
-    results: list[PlanCandidate] = []
-    for shape in _plan_shapes(s):
-        dp = shape["dp_replicate"] * shape["dp_shard"]
-        if gbs and gbs % dp:
-            s.note(f"dp={dp}", f"global_batch_size={gbs} is not divisible by dp={dp}")
-            continue
-        per_dp = gbs // dp if gbs else 0
-        for schedule, v in _schedules(shape["pp"], model.n_layers):
-            for mbs in (1, 2, 4):
-                if per_dp and per_dp % mbs:
-                    continue
-                c = _candidate(s, shape, schedule, v, mbs)
-                if c == "too_big":
-                    break  # a larger micro-batch holds more activations: it will not fit either
-                if isinstance(c, PlanCandidate):
-                    results.append(c)
-    # Screened with the equal-stage pipeline bound; the front runners get the full simulation.
-    results.sort(key=lambda c: -c.prediction.tokens_per_s)
-    finalists = [replace(c, prediction=predict_step(c.config, memory=c.memory)) for c in results[: 3 * top + 10]]
-    results = sorted(finalists, key=lambda c: -c.prediction.tokens_per_s) + results[3 * top + 10:]
+    """Search every valid plan; return the ``top`` by predicted throughput, explained.
+
+    Plans that the compute-only bound shows cannot change the answer are not predicted (see the
+    module docstring): the answer is the exhaustive search's; ``stats["pruned"]`` counts them."""
+    return _advise(model, cluster, train, top)
+
+
+def _advise(model: ModelSpec, cluster: Cluster, train: TrainSettings, top: int = 10, prune: bool = True) -> Advice:
+    s = _Search(model, cluster, train, prune=prune)
+    results = _search(s, top)
+    if s.floor_broken:
+        # The answer may have lost a plan the bound wrongly pruned: the time model changed under
+        # _step_floor. Stay correct (and slow) until the bound is brought back under it.
+        warnings.warn("the advisor's step-time bound exceeded a prediction; searching every plan",
+                      RuntimeWarning, stacklevel=3)
+        s = _Search(model, cluster, train, prune=False)
+        results = _search(s, top)
     baseline = _baseline(model, cluster, train)
     best = [replace(c, rank=i + 1, explanation=explain(c, results, baseline, cluster)) for i, c in enumerate(results[:top])]
     return Advice(best, baseline, s.stats, s.rejections)
 
 
 # ---------------------------------------------------------------------------- explanations
+# The alternatives each winner is compared with: (label, differs(other plan, winner's plan)). The
+# search makes sure the best plan of each is in the list explain() is given.
+_ALTERNATIVES: tuple[tuple[str, Callable[[ParallelPlan, ParallelPlan], bool]], ...] = (
+    ("fewer pipeline stages", lambda p, best: p.pp < best.pp),
+    ("more pipeline stages", lambda p, best: p.pp > best.pp),
+    ("less tensor parallelism", lambda p, best: p.tp < best.tp),
+    ("more tensor parallelism", lambda p, best: p.tp > best.tp),
+)
+
+
 def explain(c: PlanCandidate, others: list[PlanCandidate], baseline: Baseline, cluster: Cluster) -> tuple[str, ...]:
     """Why this plan, in the scaling order, and why the obvious alternatives lost."""
     plan, train, pred = c.plan, c.train, c.prediction
@@ -268,13 +527,8 @@ def explain(c: PlanCandidate, others: list[PlanCandidate], baseline: Baseline, c
     def best_where(pred_fn):
         return next((o for o in others if pred_fn(o.plan) and o is not c), None)
 
-    for label, cond in (
-        ("fewer pipeline stages", lambda p: p.pp < plan.pp),
-        ("more pipeline stages", lambda p: p.pp > plan.pp),
-        ("less tensor parallelism", lambda p: p.tp < plan.tp),
-        ("more tensor parallelism", lambda p: p.tp > plan.tp),
-    ):
-        alt = best_where(cond)
+    for label, differs in _ALTERNATIVES:
+        alt = best_where(lambda p: differs(p, plan))
         if alt is not None and alt.prediction.tokens_per_s < pred.tokens_per_s:
             diff = 1 - alt.prediction.tokens_per_s / pred.tokens_per_s
             lines.append(f"{label} ({alt.plan.describe()}, {alt.train.recompute} recompute) is {diff:.0%} slower: "
