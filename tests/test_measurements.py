@@ -54,13 +54,19 @@ def test_validation_statistics_are_those_of_its_rows():
 
 
 def test_the_uncalibrated_planner_on_the_published_mpt_table():
-    """Declared before fitting anything: the planner as it stands, uncalibrated, on 70 runs it was
-    never tuned to (median |error| 17.5 %, p90 48 %, Spearman 0.99 when written). The bar is the
-    present one, so that a change that makes it worse fails; the aim is 15 % (issue 12)."""
+    """Item 3(a): the planner uncalibrated on 70 runs it was never tuned to, each priced under the
+    profile of its own software (``fsdp-flash1``: the tables predate torch 2.0, so FlashAttention
+    v1, at half FA2's documented speed). Aim (issue 12): median |error| <= 15 %; measured 5.0 %,
+    p90 19 %, Spearman 0.99. Under the FA2 ``fsdp`` profile the same rows give 17.5 %: the
+    attention kernel is the difference, not a fitted constant."""
     s = validate(published_measurements()).stats
+    print(f"\nMPT, own profile: median {s['median_abs_error']:.1%}, p90 {s['p90_abs_error']:.1%}, "
+          f"Spearman {s['spearman']:.3f}")
     assert s["n"] == 70
-    assert s["median_abs_error"] <= 0.20
+    assert s["median_abs_error"] <= 0.15
     assert s["spearman"] >= 0.95
+    fa2 = validate(published_measurements("fsdp")).stats
+    assert fa2["median_error"] > s["median_error"]  # FA2's constant is optimistic for FA1's kernels
 
 
 def test_a_step_time_stands_for_the_throughput():
@@ -99,17 +105,17 @@ def test_the_memory_bill_on_torchtitans_memory_rows():
     8B, FSDP2 on 8 and 128 H100, bf16, per-op selective checkpointing, seq 8192, local batch 2).
     The bill's peak is reserved memory: what is allocated x (1 + the allocator's fragmentation) +
     the CUDA context (its ``overhead``). torchtitan's selective checkpointing is its per-op policy,
-    priced as such (``selective_policy="op"``); torch.compile, which two rows add, is not modelled.
+    priced as such (the ``torchtitan`` profile); torch.compile, which two rows add, is not modelled.
     Nothing was fitted to these rows. Aim of issue item 3c: median |error| <= 10 %."""
     from workbench.predict.measurements import published_memory_measurements
     from workbench.predict.memory import estimate_memory
 
     ms = published_memory_measurements()
     assert len(ms) == 4 and all(m.peak_memory_bytes for m in ms)
-    assert {m.framework for m in ms} == {"fsdp"}
+    assert {m.framework for m in ms} == {"torchtitan"}
     errors = []
     for m in ms:
-        bill = estimate_memory(m.config, selective_policy="op")
+        bill = estimate_memory(m.config)
         errors.append(bill.peak_bytes / m.peak_memory_bytes - 1)
         c = {k: f"{v / 2**30:.1f}" for k, v in bill.components.items()}
         print(f"{m.label[:56]:<56} bill {bill.peak_bytes / 2**30:6.1f} GiB  measured "

@@ -113,6 +113,8 @@ class TrainSettings:
             check_choice("master_dtype", self.master_dtype, tuple(DTYPE_BYTES))
         if not (isinstance(self.framework, str) and self.framework in FRAMEWORKS):
             object.__setattr__(self, "framework", resolve_framework(self.framework))
+        # resolved once: the advisor reads it for every one of thousands of bills
+        object.__setattr__(self, "_profile", resolve_framework(self.framework))
         if self.allocator_fragmentation is not None:
             check_positive("allocator_fragmentation", self.allocator_fragmentation, allow_zero=True)
             require(
@@ -167,7 +169,7 @@ class TrainSettings:
     @property
     def profile(self) -> FrameworkProfile:
         """The framework profile this job is priced under."""
-        return resolve_framework(self.framework)
+        return self._profile  # type: ignore[attr-defined]  (set by __post_init__)
 
     @property
     def fragmentation(self) -> float:

@@ -19,6 +19,15 @@ Built in (``FRAMEWORKS``):
     the distributed optimizer, TP communication overlapped with the GEMMs (``--tp-comm-overlap``).
 ``fsdp``
     PyTorch FSDP / FSDP2 with flash attention and no TP (torchtitan-FSDP, Composer, Accelerate).
+``torchtitan``
+    torchtitan: the bundled trainer's torch stack (DTensor TP/SP, FSDP2, torch pipelining) with
+    torchtitan's own choices: per-op selective checkpointing (``selective_ac_option = "op"``), one
+    RoPE table for the model (``freqs_cis``), a reduce-scatter every micro-batch.
+``fsdp-flash1``
+    The same with FlashAttention v1's kernels: runs of the torch 1.x era (before torch 2.0's SDPA
+    and FlashAttention-2, July 2023), such as the MPT benchmark tables that ship in
+    ``workbench/predict/data``. FlashAttention-2's paper measures it at about twice v1's speed
+    (Dao 2023, abstract and Fig. 4-7), so the attention constant is half FA2's.
 
 A profile is JSON: :meth:`FrameworkProfile.to_dict` / :meth:`from_dict`, ``load`` / ``save``;
 ``--framework NAME|profile.json`` on the CLI. No torch here.
@@ -34,6 +43,8 @@ from typing import Any, Mapping
 from workbench.spec.errors import ConfigError, check_positive, require
 
 TIERS = ("intra_node", "inter_node", "inter_leaf")
+FLASH_ATTENTION_2 = 0.34  # of dense bf16 peak, fwd + bwd, causal, H100 (Dao 2023, Fig. 7: 338 of 989 TFLOP/s)
+FA2_SPEEDUP_OVER_FA1 = 2.0  # "around 2x speedup compared to FlashAttention" (Dao 2023, abstract)
 SELECTIVE_POLICIES = ("attention", "op")
 
 
@@ -63,7 +74,7 @@ class Efficiency:
     """
 
     matmul: float = 0.75
-    attention: float = 0.34
+    attention: float = FLASH_ATTENTION_2
     memory: float = 0.75
     elementwise_bytes_per_hidden: float = 32.0
     elementwise_bytes_per_ff: float = 4.0
@@ -314,6 +325,17 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
                                  fsdp_no_sync_accumulation=False),
     ),
 }
+FRAMEWORKS["torchtitan"] = replace(
+    FRAMEWORKS["bundled"], name="torchtitan",
+    description="torchtitan: DTensor TP/SP, FSDP2, torch pipelining, per-op selective checkpointing",
+    memory=replace(FRAMEWORKS["bundled"].memory, selective_policy="op", rope_cache_per_layer=False,
+                   fsdp_no_sync_accumulation=False),
+)
+FRAMEWORKS["fsdp-flash1"] = replace(
+    FRAMEWORKS["fsdp"], name="fsdp-flash1",
+    description="PyTorch FSDP with FlashAttention v1 kernels (torch 1.x era, e.g. the 2023 MPT benchmarks)",
+    efficiency=replace(FRAMEWORKS["fsdp"].efficiency, attention=FLASH_ATTENTION_2 / FA2_SPEEDUP_OVER_FA1),
+)
 DEFAULT_FRAMEWORK = "bundled"
 
 

@@ -29,7 +29,8 @@ def mpt_rows(path: Path) -> list[dict[str, str]]:
         out.append({
             "label": f"{r['model']} {r['n_gpus']}xH100 seq {r['seq_len']} mbs {r['micro_batch_size']} "
                      f"{r['sharding']} recompute {r['recompute']}",
-            "framework": "fsdp", "source": f"{r['source']} ({r['table']}, row {r['row_in_table']})",
+            # the tables predate torch 2.0 (their README's TODO): FlashAttention v1's kernels
+            "framework": "fsdp-flash1", "source": f"{r['source']} ({r['table']}, row {r['row_in_table']})",
             "n_layers": r["n_layers"], "d_model": r["d_model"], "n_heads": r["n_heads"], "n_kv_heads": r["n_heads"],
             "d_ff": r["d_ff"], "vocab_size": r["vocab_size"], "position": "learned", "norm": "layernorm",
             "activation": "gelu", "tie_embeddings": "true", "linear_bias": "true", "gpu": r["gpu"],
@@ -55,12 +56,10 @@ def torchtitan_rows(path: Path) -> tuple[list[dict[str, str]], list[tuple[str, s
     Kept: rows with a measured ``memory_gib`` (peak *reserved* memory, max over GPUs) in bf16.
     torchtitan trains with FSDP2 (MixedPrecisionPolicy(param bf16, reduce fp32) over fp32 sharded
     parameters and AdamW: the ``fsdp2-bf16`` recipe), DTensor TP/SP, torch.distributed.pipelining
-    and its own CP: the bundled trainer's conventions, so rows with TP, PP or CP are priced under
-    ``bundled``, FSDP-only rows under ``fsdp`` (no TP: the two differ only in RoPE's cache, which
-    torchtitan, like Megatron, keeps once per model). An unstated sequence length is its commit's
-    default config (the row's notes say which; ``notes`` here says it was resolved so). Selective
-    checkpointing is torchtitan's per-op policy (``selective_ac_option = 'op'``), not
-    Korthikanti's: price it with ``estimate_memory(config, selective_policy="op")``.
+    and its own CP: priced under the ``torchtitan`` profile (the bundled trainer's conventions with
+    torchtitan's per-op selective checkpointing, ``selective_ac_option = 'op'``, and one RoPE table
+    per model). An unstated sequence length is its commit's default config (the row's notes say
+    which; ``notes`` here says it was resolved so).
     """
     kept, dropped = [], []
     for r in csv.DictReader(path.open()):
@@ -94,7 +93,7 @@ def torchtitan_rows(path: Path) -> tuple[list[dict[str, str]], list[tuple[str, s
             notes.append(f"global batch {gbs} = local batch x FSDP degree (not stated)")
         recompute = "selective" if r["recompute"].startswith("selective") else r["recompute"]
         kept.append({
-            "label": label, "framework": "bundled" if tp * pp * cp > 1 else "fsdp",
+            "label": label, "framework": "torchtitan",
             "source": f"{r['source']} ({r['table']}, {r['row_label']})",
             "n_layers": r["n_layers"], "d_model": r["d_model"], "n_heads": r["n_heads"], "n_kv_heads": r["n_kv_heads"],
             "d_ff": r["d_ff"], "vocab_size": r["vocab_size"], "position": "rope", "max_seq_len": seq,
