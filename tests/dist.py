@@ -95,11 +95,26 @@ def run_torchrun(target: str | Path, nproc: int, args: Sequence[Any] = (), env: 
     return proc
 
 
+def _set_autogroup_nice(nice: int) -> bool:
+    """Linux schedules a session's processes as one group (autogroup) against other sessions, so a
+    process's own nice value orders it only within its session: another job in another session
+    gets half the CPU whatever the nice values. The group's nice is set here (on a process that
+    just started a session of its own); False where the kernel has no autogroups or refuses."""
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+        return True
+    except OSError:
+        return False
+
+
 def _timing_priority() -> None:
-    """In the job's first process, before torchrun starts (its ranks inherit it): nice -20 where
-    permitted (root, CAP_SYS_NICE), else as low a nice value as allowed. A rank at nice -20 weighs
-    about 87 times a nice-0 process in Linux's fair scheduler, so another job's processes get a
+    """In the job's first process, before torchrun starts (its ranks inherit it; the job is a
+    session of its own): nice -20 for the session's autogroup and for the process where permitted
+    (root, CAP_SYS_NICE), else as low a nice value as allowed. A group or process at nice -20
+    weighs about 87 times a nice-0 one in Linux's fair scheduler, so another job's processes get a
     core only while the rank waits; the job itself is 2 ranks on 2 cores, so no rank waits for one."""
+    _set_autogroup_nice(-20)
     for nice in (-20, -10, -5, 0):
         try:
             os.setpriority(os.PRIO_PROCESS, 0, nice)
@@ -109,7 +124,9 @@ def _timing_priority() -> None:
 
 
 def _idle_priority() -> None:
-    """SCHED_IDLE where the OS has it (Linux), else the lowest nice value."""
+    """A spinner's priority: a session whose autogroup is at nice 19 (so that the group weighs
+    1/68 of another session's), and SCHED_IDLE where the OS has it (Linux), else nice 19."""
+    _set_autogroup_nice(19)
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
@@ -122,13 +139,13 @@ def cores_kept_awake(limit_s: float = 600.0) -> Iterator[None]:
 
     On a virtual machine an idle vCPU halts, and waking it for a rank whose message arrived costs
     a round trip through the hypervisor: hundreds of microseconds, at random, on a collective
-    that takes a few hundred. The spinners keep every vCPU running. SCHED_IDLE, not nice 19:
-    Linux preempts a SCHED_IDLE task the moment any normal task wakes on its core, whereas a
-    nice-19 spinner under EEVDF may keep the core until its slice ends (RUN_TO_PARITY), which
-    measured as bursts of 3-4 ms on gloo all_reduce calls of 0.5 ms. Each spinner also ends by
-    itself after ``limit_s``."""
+    that takes a few hundred. The spinners keep every vCPU running, in a session of their own at
+    autogroup nice 19 and under SCHED_IDLE: a spinner beside the ranks' session at equal group
+    weight (a nice value alone orders processes only within their session) took half the CPU and
+    held a core until its slice ended, bursts of 3-4 ms on gloo all_reduce calls of 0.5 ms. Each
+    spinner also ends by itself after ``limit_s``."""
     code = f"import time\nend = time.monotonic() + {limit_s}\nwhile time.monotonic() < end: pass"
-    spinners = [subprocess.Popen([sys.executable, "-c", code], preexec_fn=_idle_priority)
+    spinners = [subprocess.Popen([sys.executable, "-c", code], start_new_session=True, preexec_fn=_idle_priority)
                 for _ in range(len(os.sched_getaffinity(0)))]
     try:
         yield

@@ -260,12 +260,21 @@ def train(model: str, plan_text: str, steps: int, config_path: str | None, run_r
 # ---------------------------------------------------------------------------- compare
 @main.command()
 @click.argument("run_dir", type=click.Path())
+@click.option("--cluster", "cluster_path", default=None,
+              help="Price the run on this cluster (a calibrated cluster JSON from workbench calibrate), "
+                   "with the run's nodes x GPUs per node.")
+@click.option("--framework", default=None,
+              help=f"Price the run under this profile ({', '.join(FRAMEWORKS)} or a fitted profile JSON).")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
-def compare(run_dir: str, as_json: bool) -> None:
-    """Predicted next to measured for a run: memory, bubble, collective bytes, step time."""
+def compare(run_dir: str, cluster_path: str | None, framework: str | None, as_json: bool) -> None:
+    """Predicted next to measured for a run: memory, bubble, collective bytes, step time. On a CPU
+    the step-time rows mean something on the calibrated cluster under a fitted profile
+    (benchmarks/bench_cpu_loop.py shows the loop)."""
     if not os.path.exists(os.path.join(run_dir, "config.json")):
         raise ConfigError(f"run_dir={run_dir!r} is not a run directory (no config.json)", field="run_dir")
-    comparison = compare_run(run_dir)
+    cluster = build_cluster(cluster_path) if cluster_path else None
+    profile = resolve_framework(framework) if framework else None
+    comparison = compare_run(run_dir, cluster=cluster, framework=profile)
     click.echo(json.dumps(comparison.to_dict(), indent=2) if as_json else comparison.format())
 
 
@@ -346,7 +355,8 @@ def calibrate(results: tuple[str, ...], measured_paths: tuple[str, ...], framewo
                    f"workbench plan --framework {output})")
         return
     require(bool(results), "calibrate needs benchmark result files, or --measured runs", field="results")
-    report = calibration_report(list(results))
+    # one series a busy machine left flat (no growth with size) keeps its previous figure, reported
+    report = calibration_report(list(results), skip_unfit=True)
     with open(output, "w") as f:
         f.write(report.cluster.to_json())
     click.echo(format_fit(report))

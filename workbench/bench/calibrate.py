@@ -18,6 +18,11 @@ log-space fit, yet each step stays a closed-form weighted linear fit, with Huber
 outlier sizes. Both parameters are kept physical: alpha >= 0 and B > 0 (a negative alpha is
 refitted with alpha = 0).
 The fit error is reported as the RMS and the largest |predicted / measured - 1| over the rows.
+A (tier, collective) whose times do not grow with the size (on a busy CPU the send/recv of every
+size measured once at a ~4 ms floor up to 4 MiB) cannot be fitted: by default the calibration
+raises (a caller may measure again); with ``skip_unfit=True`` that series is left out, the
+cluster's previous figure for it kept, and the report says so (``skipped``), rather than the whole
+calibration failing on one series (it still raises when nothing at all could be fitted).
 
 Achieved FLOP/s per dtype come from the matmul benchmark: total FLOPs / total time over a forward
 pass's GEMMs (:meth:`ComputeResults.flops_per_s`). Pure Python: no torch, no numpy.
@@ -27,13 +32,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 from workbench.spec.cluster import Calibration, Cluster, LinkCalibration
 from workbench.predict.comms import BUS_FACTOR, collective_time
-from workbench.spec.errors import require
+from workbench.spec.errors import ConfigError, require
 from workbench.rundir.benchmarks import CommsResults, CommsRow, ComputeResults, Results, load_results
 
 HUBER = 0.25  # |log(fit / measured)| beyond which a point's weight falls off (see fit_alpha_beta)
@@ -140,6 +145,7 @@ class CalibrationReport:
     links: tuple[LinkFit, ...]
     flops_per_s: Mapping[str, float]
     sources: tuple[str, ...]
+    skipped: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (tier, op) not fitted: why
 
     @property
     def rms_rel_error(self) -> float:
@@ -159,12 +165,14 @@ def _as_results(item: Results | str | os.PathLike) -> tuple[Results, str]:
 
 
 def calibration_report(results: Iterable[Results | str | os.PathLike], cluster: Cluster | None = None,
-                       select: Callable[[CommsRow], bool] | None = None) -> CalibrationReport:
+                       select: Callable[[CommsRow], bool] | None = None,
+                       skip_unfit: bool = False) -> CalibrationReport:
     """Fit every (tier, collective) of the comms results and the FLOP/s of the compute results.
 
     ``cluster`` defaults to the cluster of the first comms results; its existing calibration is
     kept where nothing new was measured. ``select`` keeps only some rows for the fit (e.g. every
-    other size, to test the fit on the rest)."""
+    other size, to test the fit on the rest). ``skip_unfit``: a (tier, collective) that cannot be
+    fitted is reported in ``skipped`` and left out instead of raising (see the module docstring)."""
     loaded = [_as_results(r) for r in results]
     require(len(loaded) > 0, "calibrate needs at least one results file", field="results")
     comms = [r for r, _ in loaded if isinstance(r, CommsResults)]
@@ -176,7 +184,18 @@ def calibration_report(results: Iterable[Results | str | os.PathLike], cluster: 
     by_key: dict[tuple[str, str], list[CommsRow]] = {}
     for row in rows:
         by_key.setdefault((row.tier, row.op), []).append(row)
-    fits = tuple(fit_link(rs) for _, rs in sorted(by_key.items()))
+    fitted, skipped = [], {}
+    for key, rs in sorted(by_key.items()):
+        try:
+            fitted.append(fit_link(rs))
+        except ConfigError as err:  # this series only: the others still calibrate the cluster
+            if not skip_unfit:
+                raise
+            skipped[key] = str(err)
+    if skipped and not fitted and not compute:
+        raise ConfigError("no collective could be fitted: " + "; ".join(f"{t} {op}: {why}" for (t, op), why in
+                                                                        skipped.items()), field="results")
+    fits = tuple(fitted)
     flops: dict[str, float] = {}
     for c in compute:  # later files win: pass the newest last
         flops.update(c.flops_per_s())
@@ -191,15 +210,17 @@ def calibration_report(results: Iterable[Results | str | os.PathLike], cluster: 
     if fits:
         rms = math.sqrt(sum(f.rms_rel_error**2 * f.points for f in fits) / n_rows)
         note += f"; {len(fits)} link fits over {n_rows} rows, RMS relative error {rms:.1%}"
+    if skipped:
+        note += f"; not fitted (previous figures kept): {', '.join(f'{t} {op}' for t, op in skipped)}"
     calibration = Calibration(links=links, flops_per_s={**old.flops_per_s, **flops}, source=note)
-    return CalibrationReport(replace(cluster, calibration=calibration), fits, flops, sources)
+    return CalibrationReport(replace(cluster, calibration=calibration), fits, flops, sources, skipped)
 
 
 def calibrate(results: Iterable[Results | str | os.PathLike], cluster: Cluster | None = None,
-              select: Callable[[CommsRow], bool] | None = None) -> Cluster:
+              select: Callable[[CommsRow], bool] | None = None, skip_unfit: bool = False) -> Cluster:
     """The measured cluster with ``calibration`` fitted to ``results`` (comms.json and compute.json
     files, run directories, or loaded results); write it with ``Cluster.to_json``."""
-    return calibration_report(results, cluster, select).cluster
+    return calibration_report(results, cluster, select, skip_unfit).cluster
 
 
 def predict_row(cluster: Cluster, row: CommsRow) -> float:
@@ -228,6 +249,8 @@ def format_fit(report: CalibrationReport) -> str:
                      f"{f.rms_rel_error:>8.1%} {f.max_rel_error:>8.1%}")
     if report.links:
         lines.append(f"# all fits: RMS relative error {report.rms_rel_error:.1%}, largest {report.max_rel_error:.1%}")
+    for (tier, op), why in report.skipped.items():
+        lines.append(f"# not fitted: {tier} {op} ({why}); the cluster's previous figure is kept")
     for dtype, v in report.flops_per_s.items():
         lines.append(f"# achieved matmul {dtype}: {v / 1e12:.4f} TFLOP/s")
     return "\n".join(lines)

@@ -67,6 +67,7 @@ PARAMETERS: tuple[Parameter, ...] = (
     _eff("memory", 0.3, 0.95, "element-wise kernels' share of HBM bandwidth"),
     _eff("launch_overhead_s_per_layer", 0.0, 5e-3, "host and launch cost of one block's forward"),
     _eff("overhead_s_per_microbatch", 0.0, 2.0, "host-side fixed cost of a micro-batch on a stage"),
+    _eff("overhead_s_per_collective", 0.0, 10e-3, "host-side cost of issuing one collective call"),
     *(_tier("in_stage_comm_exposed", t, f"share of {t} TP/CP/EP time left exposed") for t in TIERS[:2]),
     *(_tier("overlapped_comm_exposed", t, f"share of {t} FSDP/DP time exposed despite overlap") for t in TIERS[:2]),
     Parameter("allocator_fragmentation", 0.0, 0.5, "reserved over allocated, less 1: 0.03-0.10 in PyTorch LLM runs",

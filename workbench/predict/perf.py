@@ -85,11 +85,13 @@ def _matmul_rate(config: RunConfig, eff: Efficiency) -> float:
     return measured if measured else config.cluster.gpu.peak_flops(dtype) * eff.matmul
 
 
-def _gemm_efficiency(dim: float, eff: Efficiency) -> float:
+def _gemm_efficiency(dim: float, eff: Efficiency, calibrated: bool = False) -> float:
     """Share of the large-GEMM rate a GEMM reaches when its smallest dimension is ``dim``: tiles
     and waves are under-filled and operands are re-read more often as a dimension shrinks
-    (saturating in ``dim``; half the rate at ``dim = gemm_half_dim``)."""
-    return dim / (dim + eff.gemm_half_dim)
+    (saturating in ``dim``; half the rate at ``dim = gemm_half_dim``). 1 on a calibrated cluster:
+    ``workbench bench compute`` measured the rate at the model's own GEMM shapes, so the shapes'
+    penalty is in it already (applied again, a CPU run's GEMMs came out 3x too slow)."""
+    return 1.0 if calibrated else dim / (dim + eff.gemm_half_dim)
 
 
 def _layer_gemm_time(config: RunConfig, tokens: float, moe: bool, rate: float, eff: Efficiency) -> float:
@@ -112,7 +114,8 @@ def _layer_gemm_time(config: RunConfig, tokens: float, moe: bool, rate: float, e
             gemms += [(tokens, h, n_mats * f / t), (tokens, f / t, h)]
     else:
         gemms += [(tokens, h, n_mats * model.d_ff / t), (tokens, model.d_ff / t, h)]
-    return sum(2 * mm * k * n / (rate * _gemm_efficiency(min(mm, k, n), eff)) for mm, k, n in gemms)
+    calibrated = bool(config.cluster.achieved_flops(config.train.compute_dtype))
+    return sum(2 * mm * k * n / (rate * _gemm_efficiency(min(mm, k, n), eff, calibrated)) for mm, k, n in gemms)
 
 
 def _stage_cost(config: RunConfig, first_layer: int, n_layers: int, first: bool, last: bool, eff: Efficiency) -> _StageCost:
@@ -155,7 +158,8 @@ def _stage_cost(config: RunConfig, first_layer: int, n_layers: int, first: bool,
         elem_fwd += tokens * train.seq_len * heads * n_layers * passes * e
     if last:
         mm_time += 2 * tokens * model.d_model * model.vocab_size / t / (
-            rate * _gemm_efficiency(min(tokens, model.d_model, model.vocab_size / t), eff))
+            rate * _gemm_efficiency(min(tokens, model.d_model, model.vocab_size / t), eff,
+                                    bool(config.cluster.achieved_flops(train.compute_dtype))))
         # cross-entropy on fp32 logits: read logits, write log-probs, read them back (4 bytes each)
         elem_fwd += tokens * 4 * 3 * model.vocab_size / (t if plan.loss_parallel else 1)
     if first:
@@ -235,6 +239,12 @@ def predict_step(
     counts = plan.stage_layer_counts(model.n_layers)
     starts = [sum(counts[:i]) for i in range(len(counts))]
     n_stages = len(counts)
+    per_call = efficiency.overhead_s_per_collective
+
+    def call_time(c) -> float:
+        """A collective's wire time (alpha-beta) plus the host's cost of issuing each call."""
+        return c.total_time_s + c.count * per_call
+
     costs = [
         _stage_cost(config, starts[s], counts[s], s == 0, s == n_stages - 1, efficiency) for s in range(n_stages)
     ]
@@ -261,7 +271,7 @@ def predict_step(
                 p2p = max(p2p, c.time_s)
                 continue
             if c.dim in _IN_STAGE_DIMS and c.phase in ("forward", "backward") and not c.overlapped:
-                exposed = c.total_time_s * profile.in_stage_exposed(c.tier)
+                exposed = call_time(c) * profile.in_stage_exposed(c.tier)
                 share = exposed / (m * len(stages))
                 for s in stages:
                     stage_comm[s][0 if c.phase == "forward" else 1] += share
@@ -270,10 +280,10 @@ def predict_step(
                 # the optimizer step's parameter all-gathers hide behind the next forward; a
                 # share stays exposed whatever the compute (SMs and bandwidth taken from it)
                 kept = profile.overlapped_exposed(c.tier)
-                overlapped["backward" if c.phase == "backward" else "forward"] += c.total_time_s * (1 - kept)
-                outer[c.dim] = outer.get(c.dim, 0.0) + c.total_time_s * kept
+                overlapped["backward" if c.phase == "backward" else "forward"] += call_time(c) * (1 - kept)
+                outer[c.dim] = outer.get(c.dim, 0.0) + call_time(c) * kept
             else:
-                outer[c.dim] = outer.get(c.dim, 0.0) + c.total_time_s
+                outer[c.dim] = outer.get(c.dim, 0.0) + call_time(c)
         # Overlapped traffic is exposed where it outlasts the compute it hides behind; charge it
         # to the dims in proportion to their overlapped time.
         for phase, compute in (("forward", fwd_compute), ("backward", bwd_compute)):
@@ -281,7 +291,7 @@ def predict_step(
             if spill > 0:
                 hides = [c for c in colls if c.overlapped and not c.pipeline
                          and ("backward" if c.phase == "backward" else "forward") == phase]
-                hidden = [c.total_time_s * (1 - profile.overlapped_exposed(c.tier)) for c in hides]
+                hidden = [call_time(c) * (1 - profile.overlapped_exposed(c.tier)) for c in hides]
                 total = sum(hidden)
                 for c, h in zip(hides, hidden):
                     outer[c.dim] = outer.get(c.dim, 0.0) + spill * h / total

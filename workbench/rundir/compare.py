@@ -12,7 +12,16 @@ relative error ``(measured - predicted) / predicted``:
 * bytes per step of each collective per group (dimension, op) on one rank of every pipeline rank:
   calls join on the group's ranks, so a group the plan names twice (cp and dp_shard_cp share
   ranks when dp_shard = 1) compares once;
-* the step time and its breakdown.
+* the step time and its breakdown. The measured step time is the *median* over the timed steps of
+  the critical rank (a shared CPU stretches a few steps by a lot, which a mean follows); the
+  trainer's single-element bookkeeping calls (loss and gradient-norm reductions, one per sharded
+  gradient) get a row of their own, measured, since the planner does not price them.
+
+``compare_run(run_dir, cluster=..., framework=...)`` prices the run on another cluster (the
+calibrated one ``workbench calibrate`` wrote: its figures, the run's shape) and under another
+framework profile (a fitted one): what makes the step-time rows of a CPU run mean something, as the
+recorded ``local-cpu`` preset and the bundled profile's GPU constants do not
+(benchmarks/bench_cpu_loop.py calibrates, fits and predicts this machine end to end).
 
 ``workbench compare runs/<id>`` prints :meth:`Comparison.format`; the UI reads :attr:`rows` and
 shows them with the same formatters (:func:`format_value`, :func:`format_error`).
@@ -22,8 +31,9 @@ No torch here.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Any
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from workbench.predict.comms import EXPERT_DIMS, group_members, p2p_time, step_collectives
 from workbench.spec.config import RunConfig
@@ -34,7 +44,12 @@ from workbench.predict.pipeline import simulate_schedule
 from workbench.rundir import analysis
 from workbench.rundir.record import load_run
 
+if TYPE_CHECKING:
+    from workbench.spec.cluster import Cluster
+    from workbench.spec.framework import FrameworkProfile
+
 MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer", "activations")
+BOOKKEEPING = "bookkeeping (scalar calls)"
 
 
 @dataclass(frozen=True)
@@ -179,10 +194,42 @@ def collective_rows(config: RunConfig, events: list, rank: int) -> list[Row]:
     return rows
 
 
-def compare_run(run_dir: str | os.PathLike) -> Comparison:
-    """Predicted vs measured for the run in ``run_dir`` (see the module docstring)."""
+def priced_config(config: RunConfig, cluster: "Cluster | None" = None,
+                  framework: "str | FrameworkProfile | None" = None) -> RunConfig:
+    """``config`` on ``cluster`` (its GPU, links and calibration, with the run's nodes x GPUs per
+    node) and under ``framework``; either None keeps the run's own."""
+    if cluster is not None:
+        config = replace(config, cluster=replace(cluster, nodes=config.cluster.nodes,
+                                                 gpus_per_node=config.cluster.gpus_per_node))
+    if framework is not None:
+        config = replace(config, train=replace(config.train, framework=framework))
+    return config
+
+
+def measured_step_time(events: list, rank: int) -> tuple[float, int] | None:
+    """(median step time of ``rank`` over the timed steps, how many), or None without steps."""
+    times = analysis.step_times(events)
+    keep = [s for s in times if s >= analysis.WARMUP_STEPS] or list(times)
+    xs = [times[s][rank] for s in keep if rank < len(times[s])]
+    return (statistics.median(xs), len(xs)) if xs else None
+
+
+def bookkeeping_time(events: list, rank: int) -> float | None:
+    """Mean seconds per timed step of ``rank``'s single-element calls (None: none recorded)."""
+    per_step = [e for e in events if e.get("kind") == "collectives" and e.get("rank") == rank]
+    keep = [e for e in per_step if e["step"] >= analysis.WARMUP_STEPS] or per_step
+    if not keep or not any(c.get("scalar") for e in keep for c in e["calls"]):
+        return None
+    return sum(c["end"] - c["start"] for e in keep for c in e["calls"]
+               if c.get("scalar") and c.get("end") is not None) / len(keep)
+
+
+def compare_run(run_dir: str | os.PathLike, cluster: "Cluster | None" = None,
+                framework: "str | FrameworkProfile | None" = None) -> Comparison:
+    """Predicted vs measured for the run in ``run_dir`` (see the module docstring), priced on
+    ``cluster`` and under ``framework`` where given (:func:`priced_config`)."""
     run = load_run(run_dir)
-    config, events = run.config, run.events()
+    config, events = priced_config(run.config, cluster, framework), run.events()
     plan = config.plan
     rows: list[Row] = []
     notes: list[str] = []
@@ -232,14 +279,31 @@ def compare_run(run_dir: str | os.PathLike) -> Comparison:
 
     # step time
     crit = prediction.critical_pp_rank * stride
-    measured_steps = analysis.step_breakdown(events, crit)
-    rows.append(Row("step time", "step time", prediction.step_time_s, measured_steps.get("step_time"), "s", crit))
+    measured_steps = analysis.step_breakdown(events, crit)  # means per step, components included
+    median = measured_step_time(events, crit)
+    rows.append(Row("step time", "step time", prediction.step_time_s, median[0] if median else None, "s", crit))
+    book = bookkeeping_time(events, crit)
+    if book is not None and "compute" in measured_steps:
+        # the scalar calls are in no comm_<dim> (the planner's collectives leave them out), so
+        # the measured compute, the step less everything named, held them: name them
+        measured_steps = dict(measured_steps, compute=measured_steps["compute"] - book)
+        measured_steps[BOOKKEEPING] = book
     keys = [k for k in prediction.breakdown if k != "compute"] + ["compute"]
     for k in sorted(set(keys) | {k for k in measured_steps if k != "step_time"}, key=lambda k: (k == "compute", k)):
         rows.append(Row("step time", k, prediction.breakdown.get(k, 0.0), measured_steps.get(k), "s", crit))
     rows.append(Row("step time", "mfu", prediction.mfu, _mean_mfu(events), "fraction"))
+    if median:
+        notes.append(f"step time measured: median of {median[1]} steps on rank {crit} (the breakdown rows: means)")
     if config.cluster.gpu.name == "cpu":
-        notes.append("step times on CPU test the plumbing, not the planner's compute model (it models GPUs)")
+        if config.cluster.calibration is None:
+            notes.append("the step-time rows price a CPU run on the uncalibrated local-cpu preset with the profile's "
+                         "GPU constants: they test the plumbing. For rows that mean something, compare with a "
+                         "calibrated cluster (workbench bench compute + bench comms, workbench calibrate) and a "
+                         "profile fitted on CPU runs: compare_run(run, cluster=..., framework=...); "
+                         "benchmarks/bench_cpu_loop.py does it end to end")
+        else:
+            notes.append(f"priced on a calibrated cluster ({config.cluster.calibration.source or 'calibration'}) "
+                         f"under profile {config.train.profile.name!r} ({config.train.profile.describe_band()})")
     return Comparison(str(run_dir), config, tuple(rows), tuple(notes))
 
 

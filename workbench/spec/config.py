@@ -299,7 +299,11 @@ def build_cluster(cluster: str | Cluster | None = None, gpu: str | None = None, 
     if isinstance(cluster, Cluster):
         base = cluster
     elif cluster and str(cluster).endswith(".json"):
-        base = Cluster.from_json(Path(cluster).read_text())
+        try:
+            text = Path(cluster).read_text()
+        except OSError as err:
+            raise ConfigError(f"cluster={str(cluster)!r}: {err.strerror}", field="cluster", value=str(cluster)) from None
+        base = Cluster.from_json(text)
     else:
         if gpu is not None and gpu not in GPU_CLUSTERS:
             raise ConfigError(f"gpu={gpu!r} is not one of {', '.join(GPU_CLUSTERS)}", field="gpu", value=gpu)

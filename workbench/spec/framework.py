@@ -66,6 +66,10 @@ class Efficiency:
       (~20-30 kernels of a few microseconds each); backward pays it twice.
     overhead_s_per_microbatch: fixed host-side cost of one micro-batch on one stage (data loading,
       the schedule's bookkeeping, the loss); 0 on GPUs where it hides behind queued kernels.
+    overhead_s_per_collective: the host's cost of issuing one collective call (DTensor dispatch
+      and redistribution, the process group's bookkeeping), beyond its alpha-beta wire time; 0 on
+      GPUs, where calls are queued ahead of the stream; ~1.5-2.5 ms per call measured for the
+      bundled trainer over gloo on a CPU (benchmarks/bench_cpu_loop.py), fitted there.
     elementwise_bytes_per_hidden: bytes through HBM per d_model element per token per block in
       forward, in compute-dtype units of 2 bytes: 32 = 16 reads/writes of the hidden state (two
       norms in and out, two residual adds, bias adds, RoPE on q and k, layout copies for attention).
@@ -82,6 +86,7 @@ class Efficiency:
     gemm_half_dim: float = 128.0
     launch_overhead_s_per_layer: float = 100e-6
     overhead_s_per_microbatch: float = 0.0
+    overhead_s_per_collective: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("matmul", "attention", "memory"):
