@@ -4,7 +4,6 @@ constants, robustness, k-fold on the published MPT table, the CLI, run directori
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import replace
 
 import pytest

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
-from workbench.spec.framework import SELECTIVE_POLICIES, FrameworkProfile, MemoryConventions
+from workbench.spec.framework import SELECTIVE_POLICIES, MemoryConventions
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
 from workbench.predict.pipeline import in_flight_at_peak
