@@ -234,30 +234,35 @@ def test_calibration_predicts_held_back_sizes(tmp_path, nodes: int, tier: str) -
     sizes = size_ladder(2 << 20)
     held = set(sizes[1::2])
     assert max(held) < max(sizes) and min(held) > min(sizes)  # interpolation only
-    # A measurement is taken again (at most 3 times) when its own fit says it is noisy, and the
-    # least noisy one is kept, all before the held-back sizes are looked at: an in-sample RMS error
-    # above FIT_NOISE means bursts of the shared machine landed in the sample medians. The
-    # held-back check below is the same whichever measurement it gets.
-    measured = []
+    # A collective is measured again (the whole benchmark, at most 3 more times) while its own fit
+    # says it is noisy, and for each collective the measurement whose in-sample fit was least noisy
+    # is kept, all before the held-back sizes are looked at: an in-sample RMS error above FIT_NOISE
+    # means bursts of the shared machine landed in the sample medians, and one collective's burst
+    # says nothing about the others measured in the same run. The held-back check below is the
+    # same whichever measurement it gets.
+    best: dict[str, tuple] = {}  # op -> (in-sample RMS, attempt, results, report)
     for attempt in range(4):
         with cores_kept_awake():  # a halted vCPU's wake-up would time the hypervisor, not the collective
             results = run_comms_benchmark(cluster, "dp_shard=2", tmp_path, run_id=f"bench{attempt}", sizes=sizes,
                                           dims=("world",), point_budget_s=0.1, min_samples=9, stream=lambda line: None)
+        assert {(r.tier, r.group_size) for r in results.rows} == {(tier, 2)}
         try:
             report = calibration_report([results], select=lambda r: r.requested_bytes not in held)
         except ConfigError as refused:  # the fit itself refused the measurement: the noisiest kind
             print(f"attempt {attempt + 1}: no fit ({refused})")
             continue
-        worst = max(f.rms_rel_error for f in report.links)
-        print(f"attempt {attempt + 1}: largest in-sample fit RMS error {worst:.0%}")
-        measured.append((worst, attempt, results, report))
-        if worst <= FIT_NOISE:
+        for fit in report.links:
+            if fit.op not in best or fit.rms_rel_error < best[fit.op][0]:
+                best[fit.op] = (fit.rms_rel_error, attempt, results, report)
+        print(f"attempt {attempt + 1}: in-sample fit RMS error "
+              + ", ".join(f"{f.op} {f.rms_rel_error:.0%}" for f in report.links))
+        if len(best) == len(OPS) and all(v[0] <= FIT_NOISE for v in best.values()):
             break
-    assert measured, "no measurement of four could be fitted"
-    _, _, results, report = min(measured, key=lambda m: m[:2])
-    assert {(r.tier, r.group_size) for r in results.rows} == {(tier, 2)}
-    print(format_fit(report))
-    errors = prediction_errors(report.cluster, [r for r in results.rows if r.requested_bytes in held])
+    assert set(best) == set(OPS), f"no measurement of four could be fitted for {set(OPS) - set(best)}"
+    errors = []
+    for op, (rms, attempt, results, report) in sorted(best.items()):
+        print(f"{op}: attempt {attempt + 1} (in-sample RMS {rms:.0%})")
+        errors += prediction_errors(report.cluster, [r for r in results.rows if r.requested_bytes in held and r.op == op])
     assert len(errors) == len(OPS) * len(held)
     by_op: dict[str, list[float]] = {}
     for row, predicted, err in errors:

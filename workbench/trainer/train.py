@@ -408,6 +408,31 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 
+# A stopping job's ranks get their SIGTERM one after another: a rank whose peer has already
+# exited can see the peer's socket close (gloo: "Connection reset by peer") a few milliseconds
+# before its own signal. Such an error is the stop, not a failure, when the signal follows.
+STOP_GRACE_S = 2.0
+# How a peer's exit reads in a collective's error (gloo's TCP transport, NCCL's).
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator")
+
+
+def _stop_follows(error: BaseException, grace_s: float = STOP_GRACE_S) -> bool:
+    """After a distributed error: True when this rank's own stop signal arrives within ``grace_s``
+    (the SIGTERM handler raises KeyboardInterrupt inside the wait). A real failure waits
+    ``grace_s`` longer before it is reported."""
+    lost_peer = isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(m in str(error) for m in _PEER_LOST))
+    if not lost_peer:
+        return False
+    try:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point under torchrun: ``python -m workbench.trainer <run_dir>/config.json [--resume]``.
 
@@ -447,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except BaseException as e:  # noqa: BLE001 - report everything, then die fast
         message = f"rank {rank}: {type(e).__name__}: {e}"
-        interrupted = isinstance(e, KeyboardInterrupt)
+        interrupted = isinstance(e, KeyboardInterrupt) or _stop_follows(e)
         try:
             if not interrupted:
                 writer.emit(Error(error=message, traceback=traceback.format_exc()))
