@@ -124,4 +124,4 @@ def test_a_run_directory_is_a_measurement(tmp_path):
     assert m.step_time_s == pytest.approx(0.25)  # the median of the slowest rank's steps after warm-up
     assert m.config == config and m.framework == "bundled"
     result = CliRunner().invoke(main, ["calibrate", "--measured", str(tmp_path / "nothing"), "-o", str(tmp_path / "x")])
-    assert result.exit_code == 2 and "is not a file" in result.output
+    assert result.exit_code == 2 and "does not exist" in result.output

@@ -101,9 +101,9 @@ def test_bad_framework_names_and_files(tmp_path):
         TrainSettings(framework="nope")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(ConfigError, match="is not JSON"):
+    with pytest.raises(ConfigError, match="is not valid JSON"):
         resolve_framework(str(bad))
-    with pytest.raises(ConfigError, match="No such file"):
+    with pytest.raises(ConfigError, match="does not exist"):
         resolve_framework(str(tmp_path / "missing.json"))
     runner = CliRunner()
     for arg in ("nope", str(bad)):

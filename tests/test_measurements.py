@@ -96,7 +96,7 @@ def test_cli_validate_reads_a_csv_and_refuses_bad_ones(tmp_path):
     out = runner.invoke(main, ["validate", "--measured", str(bad)])
     assert out.exit_code == 2 and out.output.strip() == "error: row 1: tokens_per_s_per_gpu='abc' is not a number"
     out = runner.invoke(main, ["validate", "--measured", "/dev/zero"])
-    assert out.exit_code == 2 and "is not a file" in out.output
+    assert out.exit_code == 2 and "is not a regular file" in out.output
     assert len(load_measurements(good)) == 2
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from workbench.rundir import EventWriter, create_run_dir, load_run, read_events, read_rank_events
 from workbench.rundir.events import KINDS, Error, RunEnd, RunStart, Step, find_gaps, next_seq, rank_file
+from workbench.spec.errors import ConfigError
 
 
 def test_writer_adds_common_fields_and_counts_seq(tmp_path):
@@ -78,7 +79,7 @@ def test_run_directory_round_trip(tmp_path):
     assert m["world_size"] == 4 and m["mesh"] == {"dp_shard": 2, "tp": 2}
     for key in ("python", "torch", "workbench", "git_revision", "hostname", "devices", "start_time"):
         assert key in m
-    with pytest.raises(FileExistsError):
+    with pytest.raises(ConfigError, match="already exists"):  # a run directory is never shared
         create_run_dir(config, root=tmp_path, run_id="r1")
 
 

@@ -393,13 +393,13 @@ def test_fitted_profile_json_is_loaded_escaped_and_invalid_files_are_reported(tm
 
     # invalid files: the one-line ConfigError under the control, escaped; the choice is kept
     for text, message in [
-        ("{not json", "framework profile is not JSON: Expecting property name enclosed in double quotes (line 1)"),
-        ("[1, 2]", "a framework profile must be a JSON object, got list"),
+        ("{not json", "framework profile is not valid JSON (Expecting property name enclosed in double quotes at line 1"),
+        ("[1, 2]", "framework must be a JSON object, not list"),
         (json.dumps({"name": "x", "colour": 1}), "framework has unknown fields [&#x27;colour&#x27;]"),
         (json.dumps({"name": "x", "efficiency": {"matmul": "<b>"}}),
-         "efficiency.matmul=&#x27;&lt;b&gt;&#x27; must be a number"),
-        (json.dumps({"name": "x", "band": {"step_error": 0.1}}), "framework.band: "),
-        (json.dumps({"name": "x", "in_stage_comm_exposed": [[1, 2, 3]]}), "framework profile: "),
+         "efficiency.matmul=&#x27;&lt;b&gt;&#x27; must be a finite number"),
+        (json.dumps({"name": "x", "band": {"step_error": 0.1}}), "framework.band is missing p90_step_error"),
+        (json.dumps({"name": "x", "in_stage_comm_exposed": [[1, 2, 3]]}), "must be an object of tier: share"),
     ]:
         assert not memory.framework.load(text)
         note = memory.framework.note.object
@@ -408,7 +408,7 @@ def test_fitted_profile_json_is_loaded_escaped_and_invalid_files_are_reported(tm
         assert state.framework == evil and state.config is not None
     with pytest.raises(ConfigError) as err:
         state.load_profile("{}")
-    assert err.value.field == "framework" and "needs a name" in str(err.value)
+    assert err.value.field == "framework" and "is missing name" in str(err.value)
 
 
 def test_pipeline_view_invalid_input_is_shown_not_raised():

@@ -21,18 +21,60 @@ fresh app per browser session). Data transforms live in :mod:`widgets.transforms
 :mod:`widgets.run_transforms` (no UI imports); reading run directories is :mod:`workbench.rundir`'s.
 """
 
-from widgets.advisor_view import AdvisorView
-from widgets.bench_view import BenchView
-from widgets.compare_view import CompareView
-from widgets.launch_view import LaunchView
-from widgets.live_view import LiveView
-from widgets.run_session import RunSession, session_of
-from widgets.app import SECTIONS, App, create_app, extension, serve
-from widgets.memory_view import MemoryView
-from widgets.mesh_view import MeshView
-from widgets.model_view import ModelSketch
-from widgets.pipeline_view import PipelineView
-from widgets.state import PlanState
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use (PEP 562): ``python -m widgets`` runs this file first, and it checks its
+# --basic-auth before the views' Panel, HoloViews and Bokeh load (seconds).
+_HOMES = {
+    "AdvisorView": "widgets.advisor_view",
+    "App": "widgets.app",
+    "BenchView": "widgets.bench_view",
+    "CompareView": "widgets.compare_view",
+    "LaunchView": "widgets.launch_view",
+    "LiveView": "widgets.live_view",
+    "MemoryView": "widgets.memory_view",
+    "MeshView": "widgets.mesh_view",
+    "ModelSketch": "widgets.model_view",
+    "PipelineView": "widgets.pipeline_view",
+    "PlanState": "widgets.state",
+    "RunSession": "widgets.run_session",
+    "SECTIONS": "widgets.app",
+    "create_app": "widgets.app",
+    "extension": "widgets.app",
+    "serve": "widgets.app",
+    "session_of": "widgets.run_session",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'widgets' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next look-up is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
+
+
+if TYPE_CHECKING:
+    from widgets.advisor_view import AdvisorView
+    from widgets.app import SECTIONS, App, create_app, extension, serve
+    from widgets.bench_view import BenchView
+    from widgets.compare_view import CompareView
+    from widgets.launch_view import LaunchView
+    from widgets.live_view import LiveView
+    from widgets.memory_view import MemoryView
+    from widgets.mesh_view import MeshView
+    from widgets.model_view import ModelSketch
+    from widgets.pipeline_view import PipelineView
+    from widgets.run_session import RunSession, session_of
+    from widgets.state import PlanState
 
 __all__ = [
     "AdvisorView",

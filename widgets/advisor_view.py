@@ -10,7 +10,6 @@ after a button press, with a spinner, so the page stays responsive.
 from __future__ import annotations
 
 import asyncio
-import html
 import time
 from typing import Any
 
@@ -20,9 +19,10 @@ import param
 from workbench import Cluster, ConfigError, TrainSettings, advise
 
 from widgets.framework_control import framework_select
+from widgets.markup import Html, concat, render
 from widgets.state import PlanState
 from widgets.transforms import advice_rows, band_text, format_bytes, format_seconds, plan_settings
-from widgets.ui import card, cards, html_pane, labelled
+from widgets.ui import card, cards, error_line, html_pane, labelled, muted
 
 
 def run_advisor(state: PlanState, top: int = 10):
@@ -50,8 +50,8 @@ class AdvisorView(pn.viewable.Viewer):
         self._top = labelled("show the top", pn.widgets.RadioButtonGroup.from_param(
             self.param.top, color="primary", variant="outline", width=160))
         self._framework = framework_select(self.state)
-        self._status = html_pane('<div class="wb-muted">Press <b>Find plans</b> to search every valid plan for '
-                                 "this model, cluster and batch.</div>", sizing_mode="stretch_width")
+        self._status = html_pane(Html('<div class="wb-muted">Press <b>Find plans</b> to search every valid plan '
+                                      "for this model, cluster and batch.</div>"), sizing_mode="stretch_width")
         self._table = pn.widgets.Tabulator(
             None, selectable=1, disabled=True, show_index=False, layout="fit_data_table",
             sizing_mode="stretch_width", height=330, visible=False,
@@ -65,13 +65,13 @@ class AdvisorView(pn.viewable.Viewer):
     async def _on_click(self, _event: Any) -> None:
         self._button.disabled = True
         self._table.loading = True
-        self._status.object = '<div class="wb-muted">Searching plans ...</div>'
+        self._status.object = muted("Searching plans ...")
         try:
             t0 = time.perf_counter()
             advice = await asyncio.to_thread(run_advisor, self.state, self.top)
             self.show(advice, time.perf_counter() - t0)
         except ConfigError as err:
-            self._status.object = f'<div class="wb-error" data-testid="advisor-error">{html.escape(str(err))}</div>'
+            self._status.object = error_line(err, "advisor-error")
         finally:
             self._table.loading = False
             self._button.disabled = False
@@ -104,31 +104,29 @@ class AdvisorView(pn.viewable.Viewer):
         items.append(card("Baseline", "fits" if base.fits else "does not fit", "baseline",
                           note=baseline + (f" — best is {gain:.2f}x faster" if gain else ""),
                           tone="" if base.fits else "warn"))
-        msg = "" if advice else '<div class="wb-error">No plan fits: try more nodes or a shorter sequence.</div>'
-        self._status.object = cards(items) + msg + (
-            '<div class="wb-muted">Click a row to apply that plan to the mesh, memory and pipeline views.</div>'
-            if advice else "")
+        self._status.object = cards(items) + (
+            muted("Click a row to apply that plan to the mesh, memory and pipeline views.") if advice
+            else error_line("No plan fits: try more nodes or a shorter sequence."))
 
     @staticmethod
-    def band_html(advice: Any) -> str:
+    def band_html(advice: Any) -> Html:
         """The table's caption: the profile its times are priced under and that profile's band."""
         if not advice:
-            return ""
+            return Html("")
         best = advice[0]
         text = band_text(best.config.train.profile, best.prediction.step_time_s)
-        return (f'<div class="wb-muted" data-testid="advisor-band">Step times priced under the '
-                f"{html.escape(best.config.train.profile.name)} profile; best plan: {html.escape(text)}</div>")
+        return muted(f"Step times priced under the {best.config.train.profile.name} profile; best plan: {text}",
+                     "advisor-band")
 
     # ------------------------------------------------------------------ choose
     def choose(self, index: int) -> None:
         """Apply candidate ``index`` (0 = best) to the shared state."""
         c = self.advice[index]
         self.state.apply(**plan_settings(c))
-        lines = "".join(f"<li>{html.escape(x)}</li>" for x in c.explanation)
-        self._explain.object = (
-            f'<h4 data-testid="chosen-plan">Applied #{c.rank}: {html.escape(c.plan.describe())}, '
-            f"mbs {c.train.micro_batch_size}, recompute {c.train.recompute}</h4><ul>{lines}</ul>"
-        )
+        lines = concat(*(render("<li>{}</li>", x) for x in c.explanation))
+        self._explain.object = render('<h4 data-testid="chosen-plan">Applied #{}: {}, mbs {}, recompute {}</h4>'
+                                      "<ul>{}</ul>", c.rank, c.plan.describe(), c.train.micro_batch_size,
+                                      c.train.recompute, lines)
 
     def _on_select(self, event: Any) -> None:
         if event.new and self.advice is not None:

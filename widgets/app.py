@@ -4,7 +4,8 @@
 the :class:`PlanState` behind it (``app.state``) and its views, all owned by the caller (the
 server builds one per browser session and serves its template: :func:`session_page`);
 ``serve()`` starts the server, on 127.0.0.1 unless told otherwise, and refuses any other
-address without authentication.
+address without authentication; a users file for the login is read and checked once, at start
+(:mod:`widgets.serve_auth`: a value that looks like a path is never taken as a password).
 
 The page is a list of sections (:data:`SECTIONS`, one tab each): the planning views (1-5), the run
 views (6 launch, 7 live run, 8 compare runs; one :class:`~widgets.run_session.RunSession` per
@@ -20,7 +21,7 @@ import secrets
 import sys
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import holoviews as hv
 import panel as pn
@@ -32,11 +33,13 @@ from widgets.bench_view import BenchView
 from widgets.compare_view import CompareView
 from widgets.launch_view import LaunchView
 from widgets.live_view import LiveView
+from widgets.markup import Html
 from widgets.memory_view import MemoryView
 from widgets.mesh_view import MeshView
 from widgets.model_view import ModelSketch
 from widgets.pipeline_view import PipelineView
 from widgets.run_session import session_of
+from widgets.serve_auth import resolve_basic_auth
 from widgets.state import PlanState
 from widgets.transforms import band_text, format_bytes, format_count, format_rate, format_seconds
 from widgets.ui import card, cards, html_pane
@@ -64,7 +67,7 @@ def extension() -> None:
     hv.extension("bokeh", logo=False)
 
 
-def summary_html(config: RunConfig | None, error: str, model_name: str) -> str:
+def summary_html(config: RunConfig | None, error: str, model_name: str) -> Html:
     """The sidebar: what is being planned and its headline predictions."""
     if config is None:
         return cards([card("Configuration", "invalid", "summary-status", note=error, tone="bad")])
@@ -139,12 +142,15 @@ def _origins(address: str, port: int) -> list[str]:
     return [f"{h}:{port}" for h in {address, socket.gethostname(), socket.getfqdn()}]
 
 
-def serve(port: int = 5006, address: str = "127.0.0.1", show: bool = False, basic_auth: str | None = None,
-          **kwargs: Any) -> Any:
+def serve(port: int = 5006, address: str = "127.0.0.1", show: bool = False,
+          basic_auth: "str | Mapping[str, str] | None" = None, **kwargs: Any) -> Any:
     """Serve the app (blocks). ``address`` other than 127.0.0.1/localhost needs ``basic_auth`` (a
-    password, or a JSON file of ``{"user": "password"}``): the app shows and later launches runs,
-    so it is never open to a network without a login. Extra keyword arguments go to ``pn.serve``.
+    password, a JSON file of ``{"user": "password"}`` or such a mapping): the app shows and later
+    launches runs, so it is never open to a network without a login. A users file is read and
+    checked here, once (:func:`resolve_basic_auth`); ConfigError when it is not one. Extra keyword
+    arguments go to ``pn.serve``.
     """
+    basic_auth = resolve_basic_auth(basic_auth)
     if address not in LOCAL_ADDRESSES and not basic_auth:
         raise ConfigError(
             f"address={address!r} exposes the app beyond this machine: serving it there requires "
@@ -164,11 +170,13 @@ def serve(port: int = 5006, address: str = "127.0.0.1", show: bool = False, basi
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m widgets.app [--port N] [--address A] [--basic-auth PW] [--show]``."""
+    """``python -m widgets.app [--port N] [--address A] [--basic-auth PW|USERS.json] [--show] [--runs DIR]``."""
     ap = argparse.ArgumentParser(prog="python -m widgets.app", description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=5006)
     ap.add_argument("--address", default="127.0.0.1")
-    ap.add_argument("--basic-auth", default=None)
+    ap.add_argument("--basic-auth", default=None,
+                    help="a password, or a users file (JSON {user: password}); a value with a path separator, "
+                         "ending in .json or naming a file is read as a users file and must be one")
     ap.add_argument("--show", action="store_true")
     ap.add_argument("--runs", default=None, help="where launched runs go (default $WORKBENCH_RUNS or ./runs)")
     a = ap.parse_args(argv)

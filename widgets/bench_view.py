@@ -9,7 +9,6 @@ cluster, tier and group size, turned into busbw the nccl-tests way). Log x: size
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +19,12 @@ from bokeh.plotting import figure
 
 from workbench.rundir.benchmarks import load_results
 
+from widgets.markup import Html
 from widgets.run_session import RunSession, session_of
 from widgets.run_transforms import bandwidth_series
 from widgets.state import PlanState
 from widgets.transforms import PALETTE, format_bytes
-from widgets.ui import html_pane, table
+from widgets.ui import error_line, html_pane, table
 
 
 def list_bench_results(runs_root: str) -> list[str]:
@@ -43,11 +43,12 @@ def bandwidth_figure(series: list[dict[str, Any]], op: str, width: int = 900):
                  x_axis_label="message size S (bytes)", y_axis_label="bus bandwidth (bytes/s)")
     for i, s in enumerate(x for x in series if x["op"] == op):
         color = PALETTE[i % len(PALETTE)]
-        src = ColumnDataSource(data={"size": s["size"], "busbw": s["busbw"], "predicted": s["predicted_busbw"]})
+        src = ColumnDataSource(data={"size": s["size"], "busbw": s["busbw"], "predicted": s["predicted_busbw"],
+                                     "dim": [str(s["dim"])] * len(s["size"])})
         r = fig.line("size", "busbw", source=src, color=color, line_width=2, legend_label=f"{s['dim']} (n={s['n']})")
         fig.scatter("size", "busbw", source=src, color=color, size=5)
         fig.line("size", "predicted", source=src, color=color, line_width=2, line_dash="dashed")
-        fig.add_tools(HoverTool(renderers=[r], tooltips=[("group", s["dim"]), ("size", "@size{0,0} B"),
+        fig.add_tools(HoverTool(renderers=[r], tooltips=[("group", "@dim"), ("size", "@size{0,0} B"),
                                                          ("measured", "@busbw{0.00a}B/s"),
                                                          ("planner", "@predicted{0.00a}B/s")]))
     if fig.legend:
@@ -85,14 +86,14 @@ class BenchView(pn.viewable.Viewer):
     def show(self) -> None:
         if not self.results:
             self.series = []
-            self._table.object = ('<div class="wb-muted">No comms benchmark under the runs root yet: '
-                                  "<code>workbench bench comms</code> writes one.</div>")
+            self._table.object = Html('<div class="wb-muted">No comms benchmark under the runs root yet: '
+                                      "<code>workbench bench comms</code> writes one.</div>")
         else:
             try:
                 self.series = bandwidth_series(load_results(Path(self.session.runs_root) / self.results))
             except Exception as err:  # noqa: BLE001 - a foreign or broken file: say so
                 self.series = []
-                self._table.object = f'<div class="wb-error">{html.escape(str(err))}</div>'
+                self._table.object = error_line(err)
             else:
                 rows = [[s["dim"], s["n"], s["tier"], format_bytes(size), f"{m / 1e6:,.1f}", f"{p / 1e6:,.1f}"]
                         for s in self.series if s["op"] == self.op

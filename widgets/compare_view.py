@@ -7,7 +7,6 @@ Only directories under the app's runs root are offered (picked by name, never a 
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 from typing import Any
 
@@ -20,26 +19,27 @@ from workbench.rundir.compare import compare_run
 from workbench.rundir import read_events
 from workbench.rundir.tail import list_runs
 
+from widgets.markup import Html, concat, render
 from widgets.run_session import RunSession, session_of
 from widgets.run_transforms import comparison_rows, step_rows
 from widgets.state import PlanState
-from widgets.ui import html_pane, table
+from widgets.ui import error_line, html_pane, muted, table
 
 COLORS = ("#0072B2", "#D55E00")
 
 
-def comparison_html(run_dir: Path, testid: str) -> str:
+def comparison_html(run_dir: Path, testid: str) -> Html:
     """The predicted-vs-measured table of one run (or why there is none)."""
     try:
         comp = compare_run(run_dir)
     except Exception as err:  # noqa: BLE001 - an unfinished or foreign directory: say so
-        return f'<div class="wb-error">{html.escape(run_dir.name)}: {html.escape(str(err))}</div>'
+        return error_line(f"{run_dir.name}: {err}")
     rows = [[r["section"], r["name"] + (f" [rank {r['rank']}]" if r["rank"] is not None else ""), r["predicted"],
              r["measured"], r["error"]] for r in comparison_rows(comp)]
-    notes = "".join(f'<div class="wb-muted">note: {html.escape(n)}</div>' for n in comp.notes)
-    return (f"<b>{html.escape(run_dir.name)}</b> ({html.escape(comp.config.plan.describe())}, "
-            f"{comp.config.world_size} ranks)" + table(["section", "quantity", "predicted", "measured", "error"], rows,
-                                                       testid=testid, numeric=(2, 3, 4)) + notes)
+    notes = concat(*(muted(f"note: {n}") for n in comp.notes))
+    return (render("<b>{}</b> ({}, {} ranks)", run_dir.name, comp.config.plan.describe(), comp.config.world_size)
+            + table(["section", "quantity", "predicted", "measured", "error"], rows, testid=testid, numeric=(2, 3, 4))
+            + notes)
 
 
 class CompareView(pn.viewable.Viewer):
@@ -105,10 +105,9 @@ class CompareView(pn.viewable.Viewer):
             return
         try:
             self.session.open(self._path(name))
-            self._message.object = (f'<div class="wb-muted" data-testid="replay-message">Replaying '
-                                    f"{html.escape(name)} in 7 · Live run.</div>")
+            self._message.object = muted(f"Replaying {name} in 7 · Live run.", "replay-message")
         except Exception as err:  # noqa: BLE001
-            self._message.object = f'<div class="wb-error">{html.escape(str(err))}</div>'
+            self._message.object = error_line(err)
 
     def panel(self) -> pn.viewable.Viewable:
         if self._layout is None:

@@ -7,16 +7,16 @@ a CDN). An invalid file leaves the choice as it was and shows its one-line Confi
 
 from __future__ import annotations
 
-import html
 from typing import Any
 
 import panel as pn
 
 from workbench import ConfigError
 
+from widgets.markup import Html
 from widgets.state import PlanState
 from widgets.transforms import band_text
-from widgets.ui import html_pane
+from widgets.ui import error_line, html_pane, muted
 
 
 def framework_select(state: PlanState, width: int = 170) -> pn.widgets.Select:
@@ -43,10 +43,9 @@ class FrameworkPicker:
         try:
             profile = self.state.load_profile(text)
         except ConfigError as err:
-            self.note.object = f'<div class="wb-error" data-testid="error-framework">{html.escape(str(err))}</div>'
+            self.note.object = error_line(err, "error-framework")
             return False
-        self.note.object = (f'<div class="wb-muted" data-testid="framework-loaded">Loaded '
-                            f"{html.escape(profile.name)}: {html.escape(band_text(profile))}</div>")
+        self.note.object = muted(f"Loaded {profile.name}: {band_text(profile)}", "framework-loaded")
         return True
 
     def _on_upload(self, event: Any) -> None:
@@ -56,8 +55,8 @@ class FrameworkPicker:
     def panel(self) -> pn.Column:
         return pn.Column(
             self.select,
-            pn.pane.HTML('<div style="font-size:12px;color:#5a6570">or load a fitted profile (.json)</div>',
-                         margin=(0, 10)),
+            html_pane(Html('<div style="font-size:12px;color:#5a6570">or load a fitted profile (.json)</div>'),
+                      margin=(0, 10)),
             self.upload, self.note, margin=0,
         )
 

@@ -13,7 +13,6 @@ thread, so the page stays responsive, and the status table refreshes from the se
 from __future__ import annotations
 
 import asyncio
-import html
 from typing import Any
 
 import panel as pn
@@ -24,10 +23,11 @@ from workbench.launch import launch
 from workbench.launch.local import config_from_cli
 from workbench.spec.trainable import check_trainable
 
+from widgets.markup import Html
 from widgets.run_session import RunSession, session_of
 from widgets.run_transforms import status_rows
 from widgets.state import PlanState
-from widgets.ui import FieldErrors, card, cards, html_pane, table
+from widgets.ui import FieldErrors, card, cards, error_line, html_pane, muted, table
 
 BACKENDS = ("local", "ssh", "gateway")
 STATE_TONES = {"running": "good", "finished": "good", "failed": "bad", "stopped": "warn", "starting": ""}
@@ -73,15 +73,15 @@ def backend_options(backend: str, hosts: str, url: str, token: str) -> dict[str,
     return {}
 
 
-def status_html(status: Any, run_dir: str, replay: bool, digest_note: str = "") -> str:
+def status_html(status: Any, run_dir: str, replay: bool, digest_note: str = "") -> Html:
     """Run state card and the per-rank table (a replayed directory has no live status)."""
     if status is None:
         if not run_dir:
-            return '<div class="wb-muted">No run yet.</div>'
+            return muted("No run yet.")
         return cards([card("Run", "replay", "run-state", note=run_dir)]) + (
-            f'<div class="wb-muted">{html.escape(digest_note)}</div>' if digest_note else "")
+            muted(digest_note) if digest_note else Html(""))
     head = cards([card("Run", status.state, "run-state", note=run_dir, tone=STATE_TONES.get(status.state, ""))])
-    why = (f'<div class="wb-error" data-testid="run-why">{html.escape(status.why)}</div>' if status.why else "")
+    why = error_line(status.why, "run-why") if status.why else Html("")
     rows = [[r["node"], r["host"], r["rank"], r["state"], r["step"], r["loss"], r["events"], r["why"]]
             for r in status_rows(status)]
     return head + why + table(["node", "host", "rank", "state", "step", "loss", "events", "why"], rows,
@@ -148,8 +148,7 @@ class LaunchView(pn.viewable.Viewer):
     def _fail(self, err: BaseException) -> None:
         field = getattr(err, "field", None)
         self._errors.show(str(err), field)
-        self._message.object = (f'<div class="wb-error" data-testid="launch-error">{html.escape(type(err).__name__)}: '
-                                f"{html.escape(str(err))}</div>")
+        self._message.object = error_line(f"{type(err).__name__}: {err}", "launch-error")
 
     # ---- actions (in a worker thread: they take seconds)
     async def _on_start(self, _event: Any = None) -> None:
@@ -161,15 +160,14 @@ class LaunchView(pn.viewable.Viewer):
             self._fail(err)
             return
         self._start.disabled = True
-        self._message.object = '<div class="wb-muted" data-testid="launch-message">Starting the kernels…</div>'
+        self._message.object = muted("Starting the kernels…", "launch-message")
         try:
             run = await asyncio.to_thread(launch, config, self.backend, run_root=self.session.runs_root, **options)
         except Exception as err:  # noqa: BLE001 - shown plainly, the app keeps working
             self._fail(err)
             self._start.disabled = False
             return
-        self._message.object = (f'<div class="wb-muted" data-testid="launch-message">Launched '
-                                f"{html.escape(run.run_id)}.</div>")
+        self._message.object = muted(f"Launched {run.run_id}.", "launch-message")
         self.session.attach(run)
 
     async def _on_stop(self, _event: Any = None) -> None:
@@ -177,7 +175,7 @@ class LaunchView(pn.viewable.Viewer):
         if run is None:
             return
         self._stop.disabled = True
-        self._message.object = '<div class="wb-muted" data-testid="launch-message">Stopping…</div>'
+        self._message.object = muted("Stopping…", "launch-message")
         try:
             await asyncio.to_thread(run.stop)
         except Exception as err:  # noqa: BLE001
@@ -190,7 +188,7 @@ class LaunchView(pn.viewable.Viewer):
         if run is None:
             return
         self._resume.disabled = True
-        self._message.object = '<div class="wb-muted" data-testid="launch-message">Resuming…</div>'
+        self._message.object = muted("Resuming…", "launch-message")
         try:
             await asyncio.to_thread(run.resume)
         except Exception as err:  # noqa: BLE001

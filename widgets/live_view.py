@@ -23,12 +23,13 @@ import param
 from bokeh.models import ColumnDataSource, HoverTool, LinearColorMapper, Span
 from bokeh.plotting import figure
 
+from widgets.markup import Html
 from widgets.pipeline_view import PipelineView
 from widgets.run_session import RunSession, session_of
 from widgets.run_transforms import CURVES, RunDigest, heatmap_rects
 from widgets.state import PlanState
 from widgets.transforms import format_bytes, format_seconds
-from widgets.ui import card, cards, html_pane, table
+from widgets.ui import card, cards, html_pane, muted, table
 
 PIPELINE_REFRESH_S = 2.0
 CURVE_TITLES = {"loss": "loss", "tokens_per_s": "tokens/s", "mfu": "MFU", "grad_norm": "gradient norm"}
@@ -198,15 +199,14 @@ class LiveView(pn.viewable.Viewer):
                 fig.add_layout(span)
                 self._spans.append(span)
         rows = [[m["step"], m["kind"], m["label"]] for m in self.marks[-20:]]
-        self._marks_pane.object = "<b>Marked on the curves</b>" + table(["step", "kind", "what"], rows,
+        self._marks_pane.object = Html("<b>Marked on the curves</b>") + table(["step", "kind", "what"], rows,
                                                                          testid="run-marks", numeric=(0,))
 
     # ---- html pieces
-    def _headline_html(self, status: Any = None) -> str:
+    def _headline_html(self, status: Any = None) -> Html:
         d = self.digest
         if not self.session.run_dir:
-            return ('<div class="wb-muted">No run yet: start one in 6 · Launch, or open a finished one in '
-                    "8 · Compare.</div>")
+            return muted("No run yet: start one in 6 · Launch, or open a finished one in 8 · Compare.")
         n = len(self.curves.data["step"])
         loss = self.curves.data["loss"][-1] if n else None
         tps = self.curves.data["tokens_per_s"][-1] if n else None
@@ -224,7 +224,7 @@ class LiveView(pn.viewable.Viewer):
             items.append(card("Errors", str(len(d.errors)), "live-errors", note=d.errors[0][:120], tone="bad"))
         return cards(items)
 
-    def _memory_html(self) -> str:
+    def _memory_html(self) -> Html:
         rows = []
         for r in self.digest.memory():
             cells = [r["rank"]]
@@ -232,27 +232,28 @@ class LiveView(pn.viewable.Viewer):
                 p = r[f"{k}_predicted"]
                 cells.append(f"{format_bytes(r[k])} / {format_bytes(p) if p is not None else '-'}")
             rows.append(cells)
-        return ("<b>Memory per rank</b> (measured / predicted)"
+        return (Html("<b>Memory per rank</b> (measured / predicted)")
                 + table(["rank", "parameters", "gradients", "optimizer", "activations (peak)"], rows,
                         testid="live-memory", numeric=(0, 1, 2, 3, 4)))
 
-    def _comm_html(self) -> str:
+    def _comm_html(self) -> Html:
         rows = []
         for r in self.digest.comm_rows():
             share = f"{r['busbw'] / r['peak']:.1%}" if r["peak"] else "-"
             rows.append([r["dim"], r["op"], r["tier"] or "-", f"{r['calls']:.1f}", format_bytes(r["bytes"]),
                          format_seconds(r["time_s"]), _rate(r["busbw"]), _rate(r["peak"]), share])
-        return ("<b>Communication per group</b> (per step and rank)"
+        return (Html("<b>Communication per group</b> (per step and rank)")
                 + table(["group", "op", "link", "calls", "bytes", "time", "bus bw", "link peak", "of peak"], rows,
                         testid="live-comm", numeric=(3, 4, 5, 6, 7, 8)))
 
-    def _checkpoint_html(self) -> str:
+    def _checkpoint_html(self) -> Html:
         rows = self.digest.checkpoints()
         t0 = rows[0]["t"] if rows else 0.0
         cells = [[r["step"], r["phase"], r["mode"], f"+{r['t'] - t0:,.2f} s",
                   format_bytes(r["bytes"]) if r["bytes"] else "-",
                   format_seconds(r["duration_s"]) if r["duration_s"] else "-"] for r in rows[-24:]]
-        return ("<b>Checkpoints</b> (save: started, staged, written, committed, verified; restore: verified, loaded)"
+        return (Html("<b>Checkpoints</b> (save: started, staged, written, committed, verified; restore: verified, "
+                     "loaded)")
                 + table(["step", "phase", "mode", "when", "bytes", "duration"], cells, testid="live-checkpoints",
                         numeric=(0, 3, 4, 5)))
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import html
-
 import panel as pn
 import param
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool, Range1d, Span
@@ -24,9 +22,10 @@ from workbench import RunConfig, estimate_memory, predict_step
 from workbench.predict.memory import COMPONENTS
 
 from widgets.framework_control import FrameworkPicker
+from widgets.markup import Html
 from widgets.state import PlanState
 from widgets.transforms import COMPONENT_COLORS, band_text, format_bytes, memory_axis, memory_bars, memory_summary, stack_columns
-from widgets.ui import FieldErrors, card, cards, html_pane, labelled, swatch, table
+from widgets.ui import FieldErrors, card, cards, html_pane, labelled, muted, swatch, table
 
 
 class BillChart:
@@ -109,7 +108,7 @@ class MemoryView(pn.viewable.Viewer):
 
     # ------------------------------------------------------------------ rendered pieces
     @staticmethod
-    def summary_html(config: RunConfig | None) -> str:
+    def summary_html(config: RunConfig | None) -> Html:
         if config is None:
             return cards([card("Peak memory", "—", "peak-memory", note="invalid configuration", tone="bad")])
         s = memory_summary(estimate_memory(config))
@@ -129,8 +128,8 @@ class MemoryView(pn.viewable.Viewer):
             card("GPU memory", format_bytes(s["hbm_bytes"]), "hbm", note=config.cluster.gpu.name),
             card("Verdict", verdict, "fit-status", note=head, tone=tone),
             card("Framework", profile.name, "framework-profile", note=band_text(profile)),
-        ]) + table(["", "component", "bytes", "share"], rows, testid="memory-components", numeric=(2, 3)) + (
-            f'<div class="wb-muted" data-testid="bill-band">Predicted {html.escape(band)}</div>')
+        ]) + table(["", "component", "bytes", "share"], rows, testid="memory-components", numeric=(2, 3)) + muted(
+            f"Predicted {band}", "bill-band")
 
     def _figures(self) -> pn.Row:
         self._peak_chart = BillChart("Most loaded rank", 230, legend=False)

@@ -8,7 +8,6 @@ The picture is :func:`widgets.transforms.mesh_layout`, built from ``ParallelPlan
 
 from __future__ import annotations
 
-import html
 from typing import Any
 
 import holoviews as hv
@@ -30,7 +29,8 @@ from widgets.transforms import (
     mesh_layout,
     tier_rows,
 )
-from widgets.ui import FieldErrors, labelled, card, cards, html_pane, swatch, table
+from widgets.markup import Html, concat, render
+from widgets.ui import FieldErrors, labelled, card, cards, html_pane, muted, swatch, table
 
 _LINK_STYLE = {
     "intra_node": dict(color="#2e7d32", line_width=5),
@@ -133,9 +133,9 @@ class MeshView(pn.viewable.Viewer):
         return pn.pane.HoloViews(fig, backend="bokeh")
 
     @staticmethod
-    def info_html(config: RunConfig | None, dim: str) -> str:
+    def info_html(config: RunConfig | None, dim: str) -> Html:
         if config is None:
-            return ""
+            return Html("")
         plan, c = config.plan, config.cluster
         lay = mesh_layout(c, plan, dim)
         head = cards([
@@ -149,7 +149,7 @@ class MeshView(pn.viewable.Viewer):
               TIER_LABELS[c.tier_between(g)]) for i, g in enumerate(groups)],
             testid="group-legend",
         )
-        more = f'<div class="wb-muted">... and {lay.n_groups - 8} more groups</div>' if lay.n_groups > 8 else ""
+        more = muted(f"... and {lay.n_groups - 8} more groups") if lay.n_groups > 8 else Html("")
         links = table(
             ["", "link tier", "link", "bandwidth / GPU each way"],
             [(swatch(_LINK_STYLE[t]["color"]), TIER_LABELS[t], c.link(t).name, f"{c.link(t).bandwidth_bytes_per_s / 1e9:.0f} GB/s")
@@ -162,20 +162,20 @@ class MeshView(pn.viewable.Viewer):
             [(r["dim"], r["group_size"], TIER_LABELS[r["tier"]], format_bytes(r["wire_bytes"]),
               format_seconds(r["time_s"]), format_seconds(r["exposed_time_s"])) for r in dims],
             testid="traffic-by-group", numeric=(1, 3, 4, 5),
-        ) if dims else '<div class="wb-muted">No communication: a single rank.</div>'
+        ) if dims else muted("No communication: a single rank.")
         tiers = table(
             ["link tier", "link", "sent / GPU / step", "bandwidth / GPU", "time at peak"],
             [(TIER_LABELS[r["tier"]], r["link"], format_bytes(r["bytes"]),
               f'{r["bandwidth_bytes_per_s"] / 1e9:.0f} GB/s', format_seconds(r["time_s"])) for r in tier_rows(config)],
             testid="traffic-by-tier", numeric=(2, 3, 4),
         )
-        warn = "".join(
-            f'<div class="wb-card warn" data-testid="mesh-warning">{html.escape(w)}</div>' for w in lay.warnings
-        )
-        return (head + (warn and f'<div class="wb-cards">{warn}</div>') + legend + more + links
-                + "<h4>Predicted traffic per group (most loaded pipeline rank, "
-                + f"{html.escape(config.train.profile.name)} profile)</h4>" + traffic
-                + "<h4>Per link tier</h4>" + tiers)
+        warn = concat(*(render('<div class="wb-card warn" data-testid="mesh-warning">{}</div>', w)
+                        for w in lay.warnings))
+        return concat(
+            head, render('<div class="wb-cards">{}</div>', warn) if warn else Html(""), legend, more, links,
+            render("<h4>Predicted traffic per group (most loaded pipeline rank, {} profile)</h4>",
+                   config.train.profile.name),
+            traffic, Html("<h4>Per link tier</h4>"), tiers)
 
     def panel(self) -> pn.viewable.Viewable:
         if self._layout is None:

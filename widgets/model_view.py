@@ -7,7 +7,6 @@ shared state's model becomes None (with the reason), so no other view shows stal
 
 from __future__ import annotations
 
-import html
 from typing import Any
 
 import panel as pn
@@ -15,9 +14,10 @@ import param
 
 from workbench import ModelSpec
 
+from widgets.markup import Html, render
 from widgets.state import PlanState
 from widgets.transforms import MODEL_FIELDS, build_model, format_count, format_flops, model_form_values, model_summary, parse_hf_config
-from widgets.ui import FieldErrors, card, cards, html_pane
+from widgets.ui import FieldErrors, card, cards, error_line, html_pane
 
 CUSTOM = "custom"
 GROUP_ORDER = ("Shape", "Attention", "MLP", "Mixture of experts")
@@ -105,13 +105,12 @@ class ModelSketch(pn.viewable.Viewer):
         when it cannot be read."""
         checked = parse_hf_config(text)
         if not checked.ok:
-            self._import_note.object = f'<div class="wb-error" data-testid="error-hf_config">{html.escape(checked.error)}</div>'
+            self._import_note.object = error_line(checked.error, "error-hf_config")
             return False
         spec = checked.value
-        self._import_note.object = (
-            f'<div class="wb-muted">Imported {html.escape(spec.name or "model")}: {spec.n_layers} layers, '
-            f"d_model {spec.d_model}, {format_count(spec.n_params())} parameters</div>"
-        )
+        self._import_note.object = render(
+            '<div class="wb-muted" data-testid="hf-imported">Imported {}: {} layers, d_model {}, {} parameters</div>',
+            spec.name or "model", spec.n_layers, spec.d_model, format_count(spec.n_params()))
         self.state.param.update(model=spec, model_error="")
         return True
 
@@ -123,7 +122,7 @@ class ModelSketch(pn.viewable.Viewer):
         self.load_hf_config(self._paste.value or "")
 
     # ------------------------------------------------------------------ views
-    def _summary(self, model: ModelSpec | None, seq_len: int | None, model_error: str) -> str:
+    def _summary(self, model: ModelSpec | None, seq_len: int | None, model_error: str) -> Html:
         if model is None:
             return cards([card("Parameters", "—", "n-params", note="fix the field marked below", tone="bad")])
         s = model_summary(model, seq_len or 1)

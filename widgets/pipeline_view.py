@@ -9,7 +9,6 @@ beside the simulation, with the predicted and measured bubble fractions side by 
 
 from __future__ import annotations
 
-import html
 from typing import Any, Iterable, Sequence
 
 import holoviews as hv
@@ -23,7 +22,7 @@ from workbench.spec.plan import SCHEDULES
 
 from widgets.state import PlanState
 from widgets.transforms import KIND_COLORS, KIND_NAMES, bubble_fraction_of, gantt_rects
-from widgets.ui import FieldErrors, card, cards, html_pane
+from widgets.ui import FieldErrors, card, cards, html_pane, muted
 
 
 def gantt_figure(actions: Iterable[Any], title: str, time_unit: str = "", scale: float = 1.0,
@@ -95,7 +94,7 @@ class PipelineView(pn.viewable.Viewer):
         of ``config`` (default: the state's). False when the plan has no pipeline."""
         config = config or self.state.config
         if config is None or config.plan.pp == 1:
-            self._plan_note.object = '<div class="wb-muted">The current plan has no pipeline (pp = 1).</div>'
+            self._plan_note.object = muted("The current plan has no pipeline (pp = 1).")
             return False
         pred = predict_step(config)
         self.param.update(
@@ -103,8 +102,7 @@ class PipelineView(pn.viewable.Viewer):
             virtual_stages=config.plan.virtual_stages, stage_times=tuple(pred.stage_times_s),
             p2p_time=p2p_time(config),
         )
-        self._plan_note.object = (f'<div class="wb-muted">Predicted stage times of {html.escape(config.plan.describe())}'
-                                  "</div>")
+        self._plan_note.object = muted(f"Predicted stage times of {config.plan.describe()}")
         return True
 
     @param.depends("schedule", "pp", "n_microbatches", "virtual_stages", watch=True)

@@ -20,7 +20,6 @@ edge, for the views.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping, Sequence
@@ -35,6 +34,7 @@ from workbench import (
 )
 from workbench.spec.config import build_run_config
 from workbench.spec.errors import check_int
+from workbench.spec.files import parse_json
 from workbench.spec.framework import FRAMEWORKS, FrameworkProfile
 from workbench.predict.perf import describe_step
 from workbench.predict.comms import link_traffic, traffic_by_dim
@@ -208,11 +208,9 @@ def build_model(values: Mapping[str, Any]) -> Checked:
     if kw.get("moe_d_ff") is None:
         kw["moe_d_ff"] = 0
     try:
-        return Checked(ModelSpec(**kw))
-    except ConfigError as err:
+        return Checked(ModelSpec.from_dict(kw))
+    except ConfigError as err:  # a float where an int belongs, a missing field: one line naming it
         return Checked.failed(err)
-    except (TypeError, ValueError) as err:  # e.g. a float where an int belongs
-        return Checked(None, str(err), None)
 
 
 def parse_hf_config(text: str | bytes) -> Checked:
@@ -220,9 +218,9 @@ def parse_hf_config(text: str | bytes) -> Checked:
     if isinstance(text, bytes):
         text = text.decode("utf-8", errors="replace")
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        return Checked(None, f"hf_config is not valid JSON ({e.msg} at line {e.lineno})", "hf_config")
+        data = parse_json(text, "hf_config")
+    except ConfigError as err:
+        return Checked.failed(err)
     if not isinstance(data, dict):
         return Checked(None, "hf_config must hold a JSON object", "hf_config")
     try:
@@ -277,21 +275,15 @@ def parse_framework_profile(text: str | bytes | Mapping[str, Any]) -> Checked:
         data: Any = text
     else:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            return Checked(None, f"framework profile is not JSON: {e.msg} (line {e.lineno})", "framework")
+            data = parse_json(text, "framework profile")
+        except ConfigError as err:
+            return Checked(None, str(err), "framework")
     if isinstance(data, Mapping) and "profile" in data and "name" not in data:
         data = data["profile"]  # a calibration file: the profile and its report
     try:
         return Checked(FrameworkProfile.from_dict(data))
-    except ConfigError as err:
-        return Checked(None, _one_line(str(err)), "framework")
-    except (TypeError, ValueError, AttributeError) as err:  # a wrongly typed constant deep inside
-        return Checked(None, _one_line(f"framework profile: {err}"), "framework")
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
+    except ConfigError as err:  # every field is type-checked on construction: one line naming it
+        return Checked(None, str(err), "framework")
 
 
 def profile_key(profile: FrameworkProfile) -> str:

@@ -17,7 +17,7 @@ import click
 from workbench.spec.cluster import GPUS, Cluster
 from workbench.spec.config import (PRECISIONS, RunConfig, TrainSettings, build_cluster, build_model,
                                    build_run_config, plan_notes)
-from workbench.spec.errors import ConfigError, require
+from workbench.spec.errors import ConfigError, check_int, one_line, require
 from workbench.spec.framework import DEFAULT_FRAMEWORK, FRAMEWORKS, resolve_framework
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
@@ -32,22 +32,60 @@ from workbench.rundir.benchmarks import format_table
 from workbench.rundir.compare import compare_run
 from workbench.rundir.measured import load_measured
 from workbench.launch.benchmark import run_comms_benchmark
-from workbench.launch.local import config_from_cli, resume_local, train_local
+from workbench.launch.local import STOP_TIMEOUT_S, config_from_cli, resume_local, train_local
+from workbench.launch.outcome import EXIT_CODES
+from workbench.launch.preflight import check_launch, check_run_id_free, load_config_file
 from workbench.bench import calibration_report, format_fit, run_compute_benchmark
 
 GiB = float(1 << 30)
 APP_MODULE = "widgets"  # `workbench serve` runs `python -m widgets` (widgets/__main__.py)
 
 
+EXIT_BAD_INPUT = 2  # a ConfigError, an unreadable file, a bad option: the one line says which
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    """Print ``error: <message>`` as one line on stderr and exit with ``code``."""
+    click.echo(f"error: {one_line(message)}", err=True)
+    sys.exit(code)
+
+
+def check_output_path(path: str, field: str = "output") -> None:
+    """Refuse an output path that cannot be written before the work that fills it is done."""
+    parent = os.path.dirname(os.path.abspath(path))
+    require(not os.path.isdir(path), f"{field}={path!r} is a directory; give a file name", field=field, value=path)
+    require(os.path.isdir(parent), f"{field}={path!r}: its folder {parent!r} does not exist", field=field, value=path)
+    require(os.access(parent, os.W_OK), f"{field}={path!r}: its folder is not writable", field=field, value=path)
+
+
 class WorkbenchGroup(click.Group):
-    """Turns configuration errors into one line on stderr and exit code 2."""
+    """The CLI's one error boundary: bad input of every command, a ConfigError, a file that cannot
+    be read or written, an unknown option or a malformed value, becomes one line on stderr and exit
+    code 2, never a traceback (click's own usage errors print three lines: here they print one)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except ConfigError as e:
-            click.echo(f"error: {e}", err=True)
-            ctx.exit(2)
+            fail(str(e))
+        except OSError as e:  # an output path in a missing folder, a full disk, a directory given as a file
+            where = f"{e.filename}: " if e.filename else ""
+            fail(f"{where}{e.strerror or e}")
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as e:
+            command = e.ctx.command_path if e.ctx else "workbench"
+            fail(f"{e.format_message()} (see {command} --help)")
+        except click.ClickException as e:
+            fail(e.format_message(), e.exit_code)
+        except click.Abort:  # Ctrl-C outside a run (a run reports its own interruption)
+            fail("interrupted", 130)
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 @click.group(cls=WorkbenchGroup)
@@ -196,7 +234,7 @@ def format_bill(config: RunConfig, bill: Any) -> str:
 
 # ---------------------------------------------------------------------------- serve
 @main.command()
-@click.option("--port", type=int, default=5006, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=5006, show_default=True)
 @click.option("--address", default="127.0.0.1", show_default=True,
               help="Interface to bind; anything but loopback requires --basic-auth.")
 @click.option("--basic-auth", default=None, help="A password, or a JSON file of {user: password}.")
@@ -214,10 +252,53 @@ def serve(port: int, address: str, basic_auth: str | None, show: bool, run_root:
 
 
 # ---------------------------------------------------------------------------- train
-@main.command()
+# `train` options a resume may change (the rest of a run's config is its own), and those that go
+# with --config (the file holds the whole RunConfig). Any other option given with either is refused.
+RESUME_OPTIONS = ("resume_dir", "steps", "checkpoint_every", "checkpoint_keep", "checkpoint_async", "max_restarts")
+CONFIG_FILE_OPTIONS = ("config_path", "run_root", "run_id", "balance_stages", "max_restarts")
+
+
+def _train_help() -> str:
+    import inspect
+
+    text = inspect.cleandoc(f"""Train the bundled model locally with torchrun; the exit status says how the job ended.
+
+    SIGINT (Ctrl-C) and SIGTERM stop the job: its ranks get SIGTERM (through torchrun) and end with
+    run_end "interrupted"; what is left after {STOP_TIMEOUT_S:g} s is SIGKILLed.
+
+    --resume runs/<id> continues a run from its latest good checkpoint with the run's own
+    config.json; only --steps, --checkpoint-every, --checkpoint-keep, --checkpoint-async and
+    --max-restarts may be given with it. A larger --steps extends the run: config.json is rewritten
+    (the launched values stay in manifest.json's "resumes"), and since the learning-rate schedule
+    is a function of the total steps, its cosine decay is stretched over the new total.
+
+    \b
+    Exit status:""")
+    return text + "".join(f"\n  {code:>3}  {what}" for code, what in EXIT_CODES.items())
+
+
+def _given_options(ctx: click.Context) -> list[str]:
+    """The options given (on the command line or by the environment), whatever their value: 0,
+    "" and False are values, not "unset"."""
+    from click.core import ParameterSource
+
+    return [p.name for p in ctx.command.params
+            if p.name and ctx.get_parameter_source(p.name) not in (None, ParameterSource.DEFAULT)]
+
+
+def _refuse_options(ctx: click.Context, given: list[str], allowed: tuple[str, ...], why: str) -> None:
+    """One line naming every given option outside ``allowed``."""
+    flags = {p.name: p.opts[0] for p in ctx.command.params if p.name and p.opts}
+    extra = [n for n in given if n not in allowed]
+    if extra:
+        raise ConfigError(f"{', '.join(flags[n] for n in extra)} cannot be given with {why} (with it give only "
+                          f"{', '.join(flags[n] for n in allowed if n != allowed[0])})", field=extra[0])
+
+
+@main.command(help=_train_help())
 @click.option("--model", default="tiny", show_default=True, help="Model preset.")
 @click.option("--plan", "plan_text", default="", help='Plan, e.g. "dp_shard=2,tp=2" (unset degrees are 1).')
-@click.option("--steps", type=int, default=50, show_default=True)
+@click.option("--steps", type=int, default=50, show_default=True, help="Steps to train (with --resume: extend the run to this many).")
 @click.option("--config", "config_path", type=click.Path(), default=None, help="A RunConfig JSON file instead.")
 @click.option("--seq", "seq_len", type=int, default=None, help="Sequence length (default 64).")
 @click.option("--mbs", "micro_batch_size", type=int, default=None, help="Micro-batch size (default 2).")
@@ -239,16 +320,20 @@ def serve(port: int, address: str, basic_auth: str | None, show: bool, run_root:
               help="Continue runs/<id> from its latest good checkpoint.")
 def train(model: str, plan_text: str, steps: int, config_path: str | None, run_root: str, run_id: str | None,
           balance_stages: bool, max_restarts: int, resume_dir: str | None, **overrides: Any) -> None:
-    """Train the bundled model locally with torchrun; exits with the job's status."""
-    if resume_dir:
-        if not os.path.exists(os.path.join(resume_dir, "config.json")):
-            raise ConfigError(f"resume={resume_dir!r} is not a run directory (no config.json)", field="resume")
-        sys.exit(resume_local(resume_dir, stream=click.echo, max_restarts=max_restarts))
-    if config_path:
-        config = RunConfig.load(config_path)
+    ctx = click.get_current_context()
+    given = _given_options(ctx)
+    if resume_dir is not None:  # "" too: a given path that names no run is an error, not a new run
+        _refuse_options(ctx, given, RESUME_OPTIONS, "--resume: the run continues as it was launched")
+        values = dict(overrides, steps=steps)
+        changes = {n: values[n] for n in given if n in RESUME_OPTIONS and n in values}
+        sys.exit(resume_local(resume_dir, stream=click.echo, max_restarts=max_restarts, **changes))
+    if config_path is not None:
+        _refuse_options(ctx, given, CONFIG_FILE_OPTIONS, "--config: the file holds the whole RunConfig")
+        config = load_config_file(config_path, field="config")
     else:
-        given = {k: v for k, v in overrides.items() if v not in (None, False)}
-        config = config_from_cli(model, plan_text, steps, **given)
+        config = config_from_cli(model, plan_text, steps, **{k: v for k, v in overrides.items() if k in given})
+    check_launch(config, max_restarts)  # before --balance-stages spends its time profiling
+    check_run_id_free(run_root, run_id)
     if balance_stages:
         from workbench.trainer.profile import balance_stages as balance  # imports torch: only when asked
 
@@ -298,6 +383,11 @@ def bench() -> None:
 def bench_comms(cluster_name: str, nodes: int, plan_text: str, backend: str, hosts: str | None, url: str | None,
                 max_bytes: int | None, run_root: str) -> None:
     """All-reduce, all-gather, reduce-scatter, all-to-all and send/recv from 8 B up, per group dimension."""
+    require(backend != "gateway" or bool(url), "--backend gateway needs --url (the Kernel Gateway's URL)", field="url")
+    require(backend != "ssh" or bool(hosts), "--backend ssh needs --hosts (one [user@]host[:port] per node)",
+            field="hosts")
+    if max_bytes is not None:
+        check_int("max_bytes", max_bytes, minimum=8)
     cluster = load_cluster(cluster_name, nodes)
     options: dict[str, Any] = {}
     if hosts:
@@ -317,6 +407,11 @@ def bench_comms(cluster_name: str, nodes: int, plan_text: str, backend: str, hos
 @click.option("-o", "--output", type=click.Path(), default=None, help="Write the results JSON here.")
 def bench_compute(model: str, hf_config: str | None, tp: int, tokens: int | None, output: str | None) -> None:
     """Achieved matmul FLOP/s per dtype at the GEMM shapes of the model on one TP rank."""
+    check_int("tp", tp)
+    if tokens is not None:
+        check_int("tokens", tokens)
+    if output is not None:
+        check_output_path(output)
     results = run_compute_benchmark(build_model(model, hf_config), tp=tp, tokens=tokens, out_path=output)
     click.echo(format_table(results))
 
@@ -341,6 +436,8 @@ def calibrate(results: tuple[str, ...], measured_paths: tuple[str, ...], framewo
     ``n_gpus``; ``plan`` as a string ("tp=8,pp=4"); seq_len, micro_batch_size, global_batch_size,
     recompute, precision; measured ``tokens_per_s_per_gpu`` and/or ``step_time_s``, optional
     ``peak_memory_gib``; label, framework, source, notes."""
+    if output != os.devnull:
+        check_output_path(output)
     if measured_paths:
         require(not results, "give benchmark results or --measured runs, not both", field="measured")
         base = resolve_framework(framework)
@@ -405,6 +502,7 @@ def load_cluster(cluster_name: str, nodes: int) -> Cluster:
 @click.option("--json", "as_json", is_flag=True, help="Print the plans as JSON.")
 def plan(model: str, hf_config: str | None, cluster_name: str, nodes: int, top: int, as_json: bool, **kw: Any) -> None:
     """Search every valid plan and print the fastest that fit, explained."""
+    check_int("top", top)
     spec = build_model(model, hf_config)
     cluster = load_cluster(cluster_name, nodes)
     train = build_train(**kw)
@@ -459,6 +557,7 @@ def advice_to_dict(advice: Any) -> dict:
 def mesh(model: str, hf_config: str | None, cluster_name: str, nodes: int, plan_text: str, max_nodes: int,
          as_json: bool, **kw: Any) -> None:
     """Lay the plan's ranks out on the nodes; per group dimension its link tier and traffic."""
+    check_int("max_nodes", max_nodes)
     config = RunConfig(build_model(model, hf_config), load_cluster(cluster_name, nodes),
                        ParallelPlan.parse(plan_text), build_train(**kw))
     plan_, cluster = config.plan, config.cluster

@@ -285,8 +285,9 @@ hv.HeatMap(cells, kdims=["micro_batch", "setting"], vdims=["peak (GiB)"]).opts(
 # lets a micro-batch of more than one 8192-token sequence fit this plan.
 #
 # And which models fit on one 8-GPU node with FSDP (ZeRO-3 over all 8), full recomputation and
-# 4096-token sequences? The model states alone are 18 bytes × parameters / 8: Llama 3 8B needs
-# 18 GB of them, Llama 3 70B 159 GB, twice an H100, before a single activation.
+# 4096-token sequences (2048 for GPT-3, whose learned position table has 2048 rows)? The model
+# states alone are 18 bytes × parameters / 8: Llama 3 8B needs 18 GB of them, Llama 3 70B 159 GB,
+# twice an H100, before a single activation.
 
 # %%
 one_node = Cluster.preset("dgx-h100", nodes=1)
@@ -294,7 +295,8 @@ fsdp8 = TrainSettings(seq_len=4096, recompute="full").with_precision("bf16-megat
 presets = []
 for name in ("llama3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "llama3-70b", "gpt3-175b", "llama3-405b"):
     model = ModelSpec.preset(name)
-    bill_ = estimate_memory(RunConfig(model, one_node, ParallelPlan(dp_shard=8, zero_stage=3), fsdp8))
+    train = replace(fsdp8, seq_len=min(fsdp8.seq_len, model.max_seq_len))
+    bill_ = estimate_memory(RunConfig(model, one_node, ParallelPlan(dp_shard=8, zero_stage=3), train))
     states = sum(bill_.components[c] for c in STATES)
     presets.append({"model": name, "parameters (B)": model.n_params() / 1e9, "states (GiB)": states / GiB,
                     "peak (GiB)": bill_.peak_bytes / GiB, "fits in 80 GiB": bool(bill_.fits())})

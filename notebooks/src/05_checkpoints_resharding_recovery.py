@@ -86,6 +86,7 @@ assert len(reference) == STEPS and reference[-1] < reference[0]
 # checkpoints/step-<n>/       committed:
 #     __<rank>_0.distcp       each rank's shards (DCP)
 #     .metadata               DCP's index: which slice of which tensor is in which file
+#     rng-<rank>.pt           each rank's random-generator states, as plain tensors (no pickle)
 #     meta.json               the RunConfig, the layout, the world size, the torch version
 #     hashes.json             SHA-256 and size of every file above
 #     COMMITTED               written last; records the SHA-256 of hashes.json
@@ -117,7 +118,8 @@ pd.DataFrame([{k: e[k] for k in ("rank", "step", "phase", "bytes", "duration_s",
 # %%
 assert verify_checkpoint(step3) is None  # marker, hashes, sizes, every SHA-256 (the trainer also loads .metadata)
 names = {p.name for p in step3.iterdir()}
-assert names == {".metadata", "COMMITTED", "hashes.json", "meta.json", "__0_0.distcp", "__1_0.distcp"}
+assert names == {".metadata", "COMMITTED", "hashes.json", "meta.json", "__0_0.distcp", "__1_0.distcp",
+                 "rng-0.pt", "rng-1.pt"}
 assert set(json.loads((step3 / "hashes.json").read_text())) == names - {"COMMITTED", "hashes.json"}
 assert meta["step"] == EVERY and meta["world_size"] == 2
 for rank, phases in ((0, ["started", "staged", "written", "committed", "verified"]), (1, ["started", "staged", "written"])):

@@ -3,7 +3,9 @@
 * :func:`launch` / :func:`open_run`: a run whose nodes are Jupyter kernels (local, SSH, gateway),
   as a :class:`~workbench.launch.handle.RunHandle` (``handle.py``; the node agent is ``agent.py``,
   the kernels ``kernels.py``, ``ssh.py``, ``gateway.py``; every rank runs ``worker.py``);
-* :func:`~workbench.launch.local.train_local`: plain torchrun on this machine (``workbench train``);
+* :func:`~workbench.launch.local.train_local`: plain torchrun on this machine (``workbench train``),
+  its checks before anything starts (``preflight.py``) and its verdict read from the run
+  directory (``outcome.py``: the final line and the exit status);
 * :func:`~workbench.launch.benchmark.run_comms_benchmark`: the cluster benchmark, locally or
   through the same kernels.
 

@@ -22,6 +22,7 @@ import ssl
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -29,8 +30,49 @@ from typing import Any
 
 from workbench.spec.errors import ConfigError
 from workbench.launch.kernels import READY_TIMEOUT_S, KernelChannel, KernelError
+from workbench.launch.ssh import host_problem
 
 TOKEN_ENV = ("WORKBENCH_GATEWAY_TOKEN", "JUPYTER_GATEWAY_AUTH_TOKEN")
+
+
+def check_url(url: object) -> str:
+    """``url`` if it is a gateway's base URL: http or https, a host (DNS name, IPv4, [IPv6]), a port
+    1-65535 where given, an optional path, and nothing else: no whitespace or control characters
+    (a header or request line could be split with them), no user:password (the token goes in
+    ``token=``, never in a URL that is saved with the run), no query or fragment (API paths are
+    appended to it). A ConfigError of one line naming the URL and the rule otherwise."""
+    if not isinstance(url, str):
+        raise ConfigError(f"url={url!r} must be a string http(s)://host[:port][/path]", field="url", value=url)
+    shown = repr(url if len(url) <= 100 else url[:100] + "...")
+
+    def fail(rule: str) -> ConfigError:
+        return ConfigError(f"url={shown} {rule}", field="url", value=url)
+
+    if not url.startswith(("http://", "https://")):
+        raise fail("must start with http:// or https://")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise fail("contains whitespace or a control character")
+    if not url.isascii():
+        raise fail("contains a non-ASCII character (give the host in its IDNA form, xn--...)")
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as e:  # "Invalid IPv6 URL"
+        raise fail(f"is not a valid URL ({e})") from None
+    if "@" in parts.netloc:
+        raise fail("holds a user or password: pass the token as token= (or $WORKBENCH_GATEWAY_TOKEN)")
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise fail("has a query or fragment: give the gateway's base URL (API paths are appended to it)")
+    host = parts.netloc.rsplit(":", 1)[0] if not parts.netloc.endswith("]") else parts.netloc
+    problem = host_problem(host)
+    if problem:
+        raise fail(f"has no valid host ({problem})")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0 or (parts.netloc.endswith(":") and port is None):
+        raise fail("has a port that is not an integer 1-65535")
+    return url
 
 
 class _Http:
@@ -182,8 +224,7 @@ class GatewayBackend:
     def __init__(self, url: str, token: str | None = None, kernel_name: str = "python3",
                  remote_root: str = "~/.workbench/runs", addrs: list[str] | None = None,
                  verify_tls: bool | str = True, shared_run_root: bool = False):
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"url={url!r} must start with http:// or https://", field="url", value=url)
+        url = check_url(url)
         token = token or next((os.environ[k] for k in TOKEN_ENV if os.environ.get(k)), "")
         self.url, self.kernel_name, self.remote_root = url.rstrip("/"), kernel_name, remote_root.rstrip("/")
         self.addrs, self.verify_tls, self.shares_run_dir = addrs, verify_tls, shared_run_root

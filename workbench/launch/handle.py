@@ -20,6 +20,7 @@ planner places them (see ``agent.py``, "Rank placement").
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import secrets
@@ -31,11 +32,12 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 from workbench.spec.config import RunConfig
-from workbench.spec.errors import ConfigError, check_choice
+from workbench.spec.errors import ConfigError, check_choice, check_positive, require
 from workbench.rundir.events import read_events
-from workbench.rundir.record import create_run_dir, load_run
+from workbench.rundir.record import create_run_dir
 from workbench.spec.trainable import check_trainable
 from workbench.launch.agent import MARKER
+from workbench.launch.preflight import (check_data_path, check_max_restarts, check_run_id_free, load_run_config)
 from workbench.launch.gateway import GatewayBackend
 from workbench.launch.kernels import KernelChannel, KernelError, LocalBackend, bootstrap_code
 from workbench.launch.ssh import SSHBackend
@@ -126,15 +128,31 @@ class _Rank:
 
 
 def make_backend(name: str, config: RunConfig, **options: Any):
-    """The backend object for ``name`` (``local``, ``ssh``, ``gateway``) and its options."""
+    """The backend object for ``name`` (``local``, ``ssh``, ``gateway``) and its options. An
+    unknown or missing option is a ConfigError naming it (not the constructor's TypeError)."""
     check_choice("backend", name, BACKENDS)
     if name == "local":
-        return LocalBackend(**options)
+        return LocalBackend(**_backend_options(LocalBackend, name, options))
     if name == "ssh":
         if not options.get("hosts") and not options.get("hosts_file") and getattr(config.cluster, "hosts", None):
             options["hosts"] = list(config.cluster.hosts)  # a Cluster that names its hosts
-        return SSHBackend(config.cluster.nodes, **options)
-    return GatewayBackend(**options)
+        return SSHBackend(config.cluster.nodes, **_backend_options(SSHBackend, name, options, "nodes"))
+    return GatewayBackend(**_backend_options(GatewayBackend, name, options))
+
+
+def _backend_options(cls: type, name: str, options: dict[str, Any], *given: str) -> dict[str, Any]:
+    """``options`` checked against ``cls``'s constructor (``given``: the parameters the launcher
+    itself passes)."""
+    params = {n: p for n, p in inspect.signature(cls).parameters.items() if n not in given}
+    unknown = sorted(set(options) - set(params))
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in options]
+    accepted = ", ".join(params) or "none"
+    require(not unknown, f"backend={name!r} has no option {', '.join(unknown)} (its options: {accepted})",
+            field=unknown[0] if unknown else None)
+    require(not missing, f"backend={name!r} needs {', '.join(f'{n}=' for n in missing)}",
+            field=missing[0] if missing else None)
+    return options
 
 
 # --------------------------------------------------------------------------- the run
@@ -230,7 +248,12 @@ class RunHandle:
 
     def stop(self, timeout_s: float | None = None) -> RunStatus:
         """SIGTERM to every node's torchrun process group (and its workers'), SIGKILL to what is
-        left after ``timeout_s``; then the final events are read."""
+        left after ``timeout_s``; then the final events are read. A run that has already ended is
+        left as it is and reports how it ended (finished, failed, stopped by a guard...). A run
+        without kernels (``workbench train``'s) has nothing here to stop it with: SIGINT or SIGTERM
+        to that command stops it."""
+        if self._ended() or not self.nodes:
+            return self.status()
         self._user_stop = True
         self._stop_nodes([n for n in self.nodes], timeout_s or self.stop_timeout_s, "stopped by the user")
         self.wait(timeout_s=5)
@@ -462,6 +485,8 @@ class RunHandle:
                 st.state = "running"
         elif kind == "error":
             st.state, st.why, st.failed_at = "failed", event.get("error", "error"), event.get("t", time.time())
+        elif kind == "guard":  # run_end "stopped" follows: this says which guard and why
+            st.why = f"stopped by the {event.get('guard', '?')} guard: {event.get('message', '')}"
         elif kind == "run_end":
             status = event.get("status")
             if status == "ok":
@@ -541,14 +566,18 @@ class RunHandle:
         states = [n.state for n in self.nodes]
         if not states:  # no launch record: the events tell
             ranks = [st.state for st in self._ranks.values()]
-            if all(s == "finished" for s in ranks):
+            if ranks and all(s == "finished" for s in ranks):
                 return "finished"
-            return "failed" if any(s == "failed" for s in ranks) else ("running" if ranks else "starting")
+            if any(s == "failed" for s in ranks):
+                return "failed"
+            if ranks and all(s in TERMINAL for s in ranks):
+                return "stopped"  # interrupted, or a guard stopped it
+            return "running" if any(s == "running" for s in ranks) else "starting"
         if all(s in TERMINAL for s in states):
             if any(s == "failed" for s in states) or self._failure:
                 return "failed"
-            if all(s == "finished" for s in states):
-                return "finished"
+            if all(s == "finished" for s in states):  # torchrun exits 0 after a guard stop too
+                return "stopped" if any(st.state == "stopped" for st in self._ranks.values()) else "finished"
             return "stopped"
         if self._failure:
             return "failed"
@@ -565,12 +594,21 @@ class RunHandle:
     def _run_why(self) -> str:
         if self._failure:
             return self._failures()[0][1] if self._failures() else self._failure
-        if self._user_stop:
-            return "stopped by the user"
+        state = self._run_state()
+        if state == "failed" and self._failures():  # no launch record: a rank's own error line
+            return self._failures()[0][1]
+        if state == "stopped":
+            if self._user_stop:
+                return "stopped by the user"
+            return next((st.why for st in self._ranks.values() if st.state == "stopped" and st.why), "")
         return ""
 
     def _nodes_ended(self) -> bool:
         return all(n.state in TERMINAL for n in self.nodes)
+
+    def _ended(self) -> bool:
+        """The run is over: every node ended (or, for a run without kernels, every rank)."""
+        return self._run_state() in TERMINAL and self._nodes_ended()
 
     def _done(self) -> bool:
         """Ended on every node, and every event the agents have read is in."""
@@ -635,13 +673,21 @@ def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.Path
     missing then is named as the failure). ``program`` / ``files``: run another program of the
     worker than the trainer (the cluster benchmark: ``["--bench", "{run_dir}/bench.json"]`` with
     ``files={"bench.json": ...}``); ``config`` then only sizes the job. Raises :class:`ConfigError`
-    before anything starts when the trainer cannot run the config or an option is wrong."""
+    before anything is made or started when the trainer cannot run the config or an argument is
+    wrong (the backend, its options, the timeouts, a data path, a run id already taken)."""
+    require(isinstance(config, RunConfig), f"config={type(config).__name__} is not a RunConfig", field="config")
     if program is None:
         check_trainable(config)
     if config.cluster.nodes * config.cluster.gpus_per_node != config.world_size:
         raise ConfigError(f"nodes x gpus_per_node = {config.cluster.nodes} x {config.cluster.gpus_per_node} "
                           f"!= world size {config.world_size}", field="cluster.nodes", value=config.cluster.nodes)
+    check_max_restarts(max_restarts)
+    check_positive("join_timeout_s", join_timeout_s)
+    check_positive("stop_timeout_s", stop_timeout_s)
     be = make_backend(backend, config, **backend_options)
+    if program is None and getattr(be, "shares_run_dir", False):
+        _check_local_data_path(config)
+    check_run_id_free(run_root, run_id)  # names a live run's pid; create_run_dir refuses any taken id
     path = create_run_dir(config, run_root, run_id)
     addrs = be.node_addresses(config.cluster.nodes)
     nodes = [_Node(i, addrs[i], be.run_dir_of(path, i)) for i in range(config.cluster.nodes)]
@@ -658,23 +704,47 @@ def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.Path
     return run
 
 
+def _check_local_data_path(config: RunConfig) -> None:
+    """On a disk the nodes share, a data path is checked before the kernels start. Each node's
+    torchrun starts in the run directory, so a relative path would be read from there."""
+    t = config.train
+    if t.dataset in ("text", "bin") and t.data_path and not Path(t.data_path).is_absolute():
+        raise ConfigError(f"data_path={t.data_path!r} is relative: the ranks of a launched run start in its run "
+                          f"directory, give an absolute path", field="data_path", value=t.data_path)
+    check_data_path(config)
+
+
+def _read_launch_record(launch_file: Path) -> dict[str, Any]:
+    """``launch/launch.json``, or a ConfigError naming it when it is damaged."""
+    try:
+        data = json.loads(launch_file.read_text())
+        require(isinstance(data, dict) and isinstance(data.get("backend"), str) and isinstance(data.get("nodes"), list)
+                and isinstance(data.get("backend_options") or {}, dict)
+                and all(isinstance(d, dict) and {"node", "addr", "run_dir"} <= set(d) for d in data["nodes"]),
+                "not a launch record")
+        return data
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{launch_file} is damaged ({e})", field="path", value=str(launch_file)) from None
+
+
 def open_run(path: str | os.PathLike, **backend_options: Any) -> RunHandle:
     """Reattach to a running or finished run: its run directory is the source of truth, and
     streaming continues from the events it holds. Secrets the launch did not save (a gateway
-    token) are passed again here."""
+    token) are passed again here. A path that is not a run directory, or a damaged config.json
+    or launch record, raises :class:`ConfigError`."""
+    config = load_run_config(path, field="path")
     path = Path(path)
-    loaded = load_run(path)
     launch_file = path / "launch" / "launch.json"
     if not launch_file.exists():  # started without kernels (workbench train): events only
-        run = RunHandle(path, loaded.config, _NoBackend(), [])
+        run = RunHandle(path, config, _NoBackend(), [])
         run._load_history()
         return run
-    data = json.loads(launch_file.read_text())
+    data = _read_launch_record(launch_file)
     options = dict(data.get("backend_options") or {})
     options.update(backend_options)
-    be = make_backend(data["backend"], loaded.config, **options)
+    be = make_backend(data["backend"], config, **options)
     nodes = [_Node(d["node"], d["addr"], d["run_dir"], host=d.get("host", "")) for d in data["nodes"]]
-    run = RunHandle(path, loaded.config, be, nodes, env=data.get("env"), join_timeout_s=data.get("join_timeout_s", 120),
+    run = RunHandle(path, config, be, nodes, env=data.get("env"), join_timeout_s=data.get("join_timeout_s", 120),
               max_restarts=data.get("max_restarts", 0), stop_timeout_s=data.get("stop_timeout_s", 10),
               attempt=data.get("attempt", 0))
     run._load_history()

@@ -15,22 +15,32 @@ Per node, one SSH connection that is three things at once:
 
 ``BatchMode=yes``: a missing key or an unknown host key fails at once instead of prompting.
 Hosts: ``hosts=["[user@]host[:port]", ...]`` or ``hosts_file`` (one per line, ``#`` comments).
+
+A host string comes from a browser form or a file, and ends up on ssh's command line, where
+``-oProxyCommand=...`` is an option that runs a command and ``a;b`` would be two commands to a
+shell. So :func:`parse_host` checks every host where it enters (the backend's constructor) against
+a narrow grammar (user: ``[A-Za-z0-9._-]``; host: a DNS name, an IPv4 address or a bracketed IPv6
+address; port 1-65535), and every argv built here ends its options with ``--`` before the
+destination. The one remote command is built from :func:`shlex.quote`'d parts.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import secrets
 import select
 import shlex
 import socket
+import stat
 import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from workbench.spec.errors import ConfigError
 from workbench.launch.kernels import KernelError, ZmqChannel
@@ -81,23 +91,142 @@ finally:
 _LIFELINES: dict[str, "_Lifeline"] = {}  # control socket -> lifeline, for open_run() in this process
 
 
+MAX_HOSTS_FILE_BYTES = 1 << 20
+_USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]{0,63}")  # POSIX portable names; never a leading '-'
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")  # a DNS label (with ssh-config '_')
+_SPEC_CHARS = re.compile(r"[A-Za-z0-9._@:\[\]-]*")  # everything a valid spec can hold: no shell metacharacter
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+class Host(NamedTuple):
+    """A checked ``[user@]host[:port]``: ``host`` is a DNS name, an IPv4 or a (bare) IPv6 address."""
+
+    user: str | None
+    host: str
+    port: int | None
+
+    @property
+    def destination(self) -> str:
+        """What ssh gets after ``--``: ``user@host`` or ``host``."""
+        return f"{self.user}@{self.host}" if self.user else self.host
+
+
+def host_problem(name: str) -> str | None:
+    """Why ``name`` is not a DNS name, an IPv4 address or a bracketed IPv6 address (None: it is one).
+    Shared with the gateway's URL check."""
+    if name.startswith("[") or name.endswith("]"):
+        try:
+            if not (name.startswith("[") and name.endswith("]")):
+                raise ValueError
+            ipaddress.IPv6Address(name[1:-1])
+        except ValueError:
+            return f"{name[:60]!r} is no bracketed IPv6 address"
+        return None
+    if not name:
+        return "the host name is empty"
+    if name.startswith("-"):
+        return f"host name {name[:60]!r} starts with '-' (a command line would read it as an option)"
+    if len(name) > 253:
+        return f"host name of {len(name)} characters: a DNS name has at most 253"
+    labels = name.split(".")
+    if any(not _LABEL.fullmatch(label) for label in labels):
+        return (f"host name {name[:60]!r} is no DNS name (labels of 1-63 letters, digits, '-' and '_', not "
+                "starting or ending with '-')")
+    if all(label.isdigit() for label in labels):
+        try:
+            ipaddress.IPv4Address(name)
+        except ValueError:
+            return f"{name!r} is no IPv4 address"
+    return None
+
+
+def parse_host(spec: Any) -> Host:
+    """``"[user@]host[:port]"`` -> :class:`Host`, or a ConfigError of one line naming the host and
+    the rule it breaks (see the module docstring: this is what keeps hosts from being options)."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"host {spec!r} must be a string [user@]host[:port]", field="hosts", value=spec)
+    shown = repr(spec if len(spec) <= 80 else spec[:80] + "...")
+
+    def fail(rule: str) -> ConfigError:
+        return ConfigError(f"host {shown}: {rule}", field="hosts", value=spec)
+
+    if not spec:
+        raise fail("empty; give [user@]host[:port]")
+    if spec.startswith("-"):
+        raise fail("starts with '-' (ssh would read it as an option)")
+    if any(c.isspace() or not c.isprintable() for c in spec):
+        raise fail("contains whitespace or a control character")
+    if not spec.isascii():
+        bad = next(c for c in spec if not c.isascii())
+        raise fail(f"contains the non-ASCII character {bad!r} (U+{ord(bad):04X}); host names are ASCII (IDNA: xn--...)")
+    if not _SPEC_CHARS.fullmatch(spec):
+        bad = next(c for c in spec if not _SPEC_CHARS.fullmatch(c))
+        raise fail(f"contains {bad!r}: a host spec holds letters, digits and . _ - (with @ : [ ] between its parts)")
+    if spec.count("@") > 1:
+        raise fail("has more than one '@'")
+    user, at, rest = spec.rpartition("@")
+    if at and not user:
+        raise fail("has an empty user before '@'")
+    if user and not _USER.fullmatch(user):
+        raise fail(f"user {user[:60]!r} must be 1-64 of A-Z a-z 0-9 . _ - not starting with '-'")
+    host, port_text = rest, None
+    if rest.startswith("["):  # [v6] or [v6]:port
+        close = rest.find("]")
+        host, tail = rest[:close + 1], rest[close + 1:]
+        if close < 0 or (tail and not tail.startswith(":")):
+            raise fail("an IPv6 address goes in brackets: [::1] or [::1]:22")
+        port_text = tail[1:] if tail else None
+    elif rest.count(":") > 1:
+        raise fail("an IPv6 address goes in brackets: [::1] or [::1]:22")
+    elif ":" in rest:
+        host, port_text = rest.split(":")
+    problem = host_problem(host)
+    if problem:
+        raise fail(problem)
+    port = None
+    if port_text is not None:
+        if not _PORT.fullmatch(port_text) or not 1 <= int(port_text) <= 65535:
+            raise fail(f"port {port_text[:20]!r} must be an integer 1-65535")
+        port = int(port_text)
+    return Host(user or None, host[1:-1] if host.startswith("[") else host, port)
+
+
+def _read_hosts_file(path: str | os.PathLike) -> list[str]:
+    """The first word of every line of a hosts file (``#`` comments), as a ConfigError when it is
+    no readable text file of at most :data:`MAX_HOSTS_FILE_BYTES`."""
+    try:  # opened without blocking (a FIFO would), then checked on the descriptor
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_HOSTS_FILE_BYTES:
+                raise ConfigError(f"hosts_file={str(path)!r} must be a regular file of at most {MAX_HOSTS_FILE_BYTES} "
+                                  "bytes", field="hosts_file", value=str(path))
+            text = f.read(MAX_HOSTS_FILE_BYTES).decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"hosts_file={str(path)!r} cannot be read: {e.strerror or e}", field="hosts_file",
+                          value=str(path)) from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"hosts_file={str(path)!r} is not UTF-8 text", field="hosts_file", value=str(path)) from None
+    return [ln.split("#", 1)[0].split()[0] for ln in text.splitlines() if ln.split("#", 1)[0].strip()]
+
+
 def parse_hosts(hosts: list[str] | None, hosts_file: str | os.PathLike | None) -> list[str]:
+    """The hosts, each checked by :func:`parse_host` (ConfigError naming the first bad one)."""
     if hosts_file is not None:
-        lines = Path(hosts_file).read_text().splitlines()
-        hosts = [ln.split("#", 1)[0].split()[0] for ln in lines if ln.split("#", 1)[0].strip()]
+        hosts = _read_hosts_file(hosts_file)
+    if isinstance(hosts, str):
+        raise ConfigError(f"hosts={hosts[:80]!r} must be a list of [user@]host[:port] strings, one per node",
+                          field="hosts", value=hosts)
     if not hosts:
         raise ConfigError("the ssh backend needs hosts=[...] or hosts_file=...", field="hosts", value=hosts)
-    return list(hosts)
+    hosts = list(hosts)
+    for h in hosts:
+        parse_host(h)
+    return hosts
 
 
 def split_host(target: str) -> tuple[str | None, str, int | None]:
-    """``"user@host:port"`` -> (user, host, port)."""
-    user, _, rest = target.rpartition("@")
-    host, port = rest, None
-    if rest.count(":") == 1:
-        host, p = rest.split(":")
-        port = int(p)
-    return user or None, host, port
+    """``"user@host:port"`` -> (user, host, port), checked (:func:`parse_host`)."""
+    return tuple(parse_host(target))  # type: ignore[return-value]
 
 
 def _is_loopback(host: str) -> bool:
@@ -142,7 +271,10 @@ class SSHBackend:
                  ssh_options: list[str] | tuple[str, ...] = (), python: str = "python3",
                  remote_root: str = "~/.workbench/runs", addrs: list[str] | None = None,
                  shared_run_root: bool = False, connect_timeout_s: float = 15.0):
-        hosts = parse_hosts(hosts, hosts_file)
+        hosts = parse_hosts(hosts, hosts_file)  # each checked: no option, no shell metacharacter
+        if not isinstance(ssh_options, (list, tuple)) or not all(isinstance(o, str) for o in ssh_options):
+            raise ConfigError(f"ssh_options={ssh_options!r} must be a list of strings (ssh's own options)",
+                              field="ssh_options", value=ssh_options)
         if len(hosts) != nodes:
             raise ConfigError(f"{len(hosts)} host(s) for nodes={nodes}: give one host per node", field="hosts",
                               value=hosts)
@@ -186,8 +318,14 @@ class SSHBackend:
 
     @staticmethod
     def _destination(target: str) -> str:
-        user, host, _ = split_host(target)
-        return f"{user}@{host}" if user else host
+        return parse_host(target).destination
+
+    def ssh_argv(self, target: str, control_path: str, *options: str, command: str | None = None) -> list[str]:
+        """``ssh <ours> <options> -- <destination> [command]``: the ``--`` ends the options, so nothing
+        in the destination can be read as one (it was checked too); ``command`` is one string that
+        the remote shell parses, so build it from :func:`shlex.quote`'d parts."""
+        argv = self._base(target, control_path) + list(options) + ["--", self._destination(target)]
+        return argv + ([command] if command is not None else [])
 
     def start(self, run_dir: Path, node: int) -> ZmqChannel:
         target = self.hosts[node]
@@ -195,7 +333,7 @@ class SSHBackend:
         base = self._base(target, control_path)
         key = secrets.token_hex(32)
         remote = f"{shlex.quote(self.python)} -c {shlex.quote(BOOT)}"
-        proc = subprocess.Popen(base + ["-M", self._destination(target), remote], stdin=subprocess.PIPE,
+        proc = subprocess.Popen(self.ssh_argv(target, control_path, "-M", command=remote), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         lifeline = _Lifeline(proc, control_path, base, target)
         stderr: list[bytes] = []
@@ -212,7 +350,7 @@ class SSHBackend:
             local = {name: _free_local_port() for name in PORT_NAMES}
             forwards = [arg for name in PORT_NAMES
                         for arg in ("-L", f"127.0.0.1:{local[name]}:127.0.0.1:{info['ports'][name]}")]
-            done = subprocess.run(base + ["-O", "forward", *forwards, self._destination(target)],
+            done = subprocess.run(self.ssh_argv(target, control_path, "-O", "forward", *forwards),
                                   capture_output=True, text=True, timeout=30)
             if done.returncode != 0:
                 raise KernelError(f"ssh {target}: port forwarding failed: {done.stderr.strip()[-300:]}")

@@ -37,7 +37,7 @@ from typing import Callable, Generator
 
 from workbench.spec.cluster import Cluster
 from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
-from workbench.spec.errors import ConfigError
+from workbench.spec.errors import ConfigError, check_instance, check_int
 from workbench.predict.memory import MemoryBill, estimate_memory
 from workbench.spec.model import ModelSpec
 from workbench.predict.perf import StepPrediction, predict_step, unit_makespan
@@ -467,6 +467,10 @@ def advise(model: ModelSpec, cluster: Cluster, train: TrainSettings, top: int = 
 
     Plans that the compute-only bound shows cannot change the answer are not predicted (see the
     module docstring): the answer is the exhaustive search's; ``stats["pruned"]`` counts them."""
+    check_instance("model", model, ModelSpec)
+    check_instance("cluster", cluster, Cluster)
+    check_instance("train", train, TrainSettings)
+    check_int("top", top)
     return _advise(model, cluster, train, top)
 
 

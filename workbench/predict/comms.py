@@ -43,7 +43,7 @@ from typing import Callable
 
 from workbench.spec.cluster import Cluster
 from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
-from workbench.spec.errors import check_choice, require
+from workbench.spec.errors import check_choice, check_instance, require
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
 from workbench.predict.pipeline import schedule_order
@@ -581,6 +581,7 @@ def _gradient_sync(b: _Builder, plan: ParallelPlan, train: "TrainSettings", unit
 # ---------------------------------------------------------------------------- summaries
 def traffic_by_dim(config: "RunConfig", pp_rank: int | None = None) -> dict[str, DimTraffic]:
     """Per group dimension: bytes, wire bytes, time and exposed time per step on one rank."""
+    check_instance("config", config, RunConfig)
     out: dict[str, DimTraffic] = {}
     for c in step_collectives(config, pp_rank):
         d = out.get(c.dim)

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from workbench.spec.config import DTYPE_BYTES, RunConfig
-from workbench.spec.errors import check_int, check_positive
+from workbench.spec.errors import check_instance, check_int, check_positive
 from workbench.predict.perf import StepPrediction, predict_step
 
 
@@ -85,8 +85,16 @@ def estimate_cost(
     ``asynchronous`` checkpoints (torch.distributed.checkpoint's ``async_save``) block training
     only while the GPU shards are copied to host memory.
     """
+    check_instance("config", config, RunConfig)
     check_positive("tokens", tokens)
     check_int("retention", retention)
+    for name, rate in (("write_bytes_per_s_per_node", write_bytes_per_s_per_node),
+                       ("read_bytes_per_s_per_node", read_bytes_per_s_per_node),
+                       ("host_copy_bytes_per_s_per_gpu", host_copy_bytes_per_s_per_gpu)):
+        check_positive(name, rate)
+    check_positive("restart_s", restart_s, allow_zero=True)
+    if checkpoint_interval_s is not None:
+        check_positive("checkpoint_interval_s", checkpoint_interval_s)
     pred = prediction or predict_step(config)
     nodes = config.cluster.nodes
     steps = math.ceil(tokens / config.tokens_per_step)

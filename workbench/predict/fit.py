@@ -20,11 +20,11 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from workbench.spec.errors import require
+from workbench.spec.errors import check_instance, require
 from workbench.spec.framework import ErrorBand, FrameworkProfile, TIERS, resolve_framework
 from workbench.predict.measurements import Measurement
 from workbench.predict.memory import estimate_memory
@@ -213,7 +213,11 @@ class FitReport:
 
 
 def _split(measurements: Iterable[Measurement]) -> tuple[list[Measurement], list[Measurement]]:
+    require(not isinstance(measurements, (str, bytes, Mapping)) and isinstance(measurements, Iterable),
+            f"measurements={type(measurements).__name__} must be a list of Measurement", field="measurements")
     ms = list(measurements)
+    for m in ms:
+        check_instance("measurement", m, Measurement)
     time_rows = [m for m in ms if m.measured_tokens_per_s_per_gpu is not None]
     memory_rows = [m for m in ms if m.peak_memory_bytes is not None]
     return time_rows, memory_rows
@@ -223,8 +227,9 @@ def _resolve_params(names: Iterable[str] | None) -> list[Parameter]:
     if names is None:
         return list(PARAMETERS)
     out = []
+    require(not isinstance(names, str), f"params={names!r} must be a list of names", field="params", value=names)
     for n in names:
-        require(n in BY_NAME, f"fit parameter {n!r} is not one of {', '.join(BY_NAME)}", field="params", value=n)
+        require(isinstance(n, str) and n in BY_NAME, f"fit parameter {n!r} is not one of {', '.join(BY_NAME)}", field="params", value=n)
         out.append(BY_NAME[n])
     return out
 

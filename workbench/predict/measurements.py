@@ -27,6 +27,7 @@ The CSV columns (one run a row; empty cells are unset):
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
@@ -34,7 +35,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from workbench.spec.config import RunConfig, build_run_config
-from workbench.spec.errors import ConfigError, require
+from workbench.spec.errors import ConfigError, check_instance, require
+from workbench.spec.files import read_user_text
 from workbench.spec.framework import FrameworkProfile, resolve_framework
 from workbench.spec.model import ModelSpec
 from workbench.predict.perf import mfu, predict_step
@@ -68,6 +70,7 @@ class Measurement:
     source: str = ""
 
     def __post_init__(self) -> None:
+        check_instance("config", self.config, RunConfig)
         given = {k: v for k, v in (("tokens_per_s_per_gpu", self.tokens_per_s_per_gpu),
                                    ("step_time_s", self.step_time_s),
                                    ("peak_memory_bytes", self.peak_memory_bytes), ("mfu", self.mfu))
@@ -75,7 +78,8 @@ class Measurement:
         require(bool(given), "a measurement needs tokens_per_s_per_gpu, step_time_s, peak_memory_bytes or mfu",
                 field="tokens_per_s_per_gpu")
         for name, value in given.items():
-            require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
+            require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and value > 0,
                     f"{name}={value!r} must be a positive number", field=name, value=value)
 
     @property
@@ -131,7 +135,7 @@ def measurement_from_row(r: dict[str, str], row: int, framework: "str | Framewor
         elif r.get("hf_config"):
             model = ModelSpec.from_hf_config(r["hf_config"])
         else:
-            model = ModelSpec(name=label.split(" ")[0] if label else "", **shape)
+            model = ModelSpec.from_dict({"name": label.split(" ")[0] if label else "", **shape})
         published = _number(r, "params_published", row, int)
         if published is not None and isinstance(model, ModelSpec):
             require(model.n_params() == published,
@@ -158,13 +162,14 @@ def measurement_from_row(r: dict[str, str], row: int, framework: "str | Framewor
 def load_measurements(path: str | os.PathLike, framework: "str | FrameworkProfile | None" = None) -> list[Measurement]:
     """Every row of a measurements CSV (see the module docstring for the columns), priced under
     ``framework`` when given (else each row's own column)."""
-    path = Path(path)
-    require(path.is_file(), f"measured={str(path)!r} is not a file", field="measured", value=str(path))
-    size = path.stat().st_size
-    require(size <= MAX_CSV_BYTES, f"measured={str(path)!r} holds {size:,} bytes, more than the "
-            f"{MAX_CSV_BYTES:,} a table of runs may", field="measured", value=str(path))
-    with path.open(newline="") as f:
-        return [measurement_from_row(r, i, framework) for i, r in enumerate(csv.DictReader(f), start=1)]
+    text = read_user_text(path, "measured", MAX_CSV_BYTES)
+    try:
+        rows = list(csv.DictReader(io.StringIO(text, newline="")))
+    except csv.Error as err:  # a NUL byte, a field past csv's size limit
+        raise ConfigError(f"measured={str(path)!r} is not a CSV table ({err})", field="measured") from None
+    require(bool(rows), f"measured={str(path)!r} holds no rows under a header line", field="measured",
+            value=str(path))
+    return [measurement_from_row(r, i, framework) for i, r in enumerate(rows, start=1)]
 
 
 def published_measurements(framework: "str | FrameworkProfile | None" = None) -> list[Measurement]:

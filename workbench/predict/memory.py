@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
+from workbench.spec.errors import check_choice, check_instance
 from workbench.spec.framework import SELECTIVE_POLICIES, MemoryConventions
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
@@ -410,6 +411,9 @@ def estimate_memory(config: RunConfig, *, selective_policy: str | None = None) -
 
     ``selective_policy`` ("attention" or "op", :func:`activation_bytes_per_layer`) overrides what the
     profile's ``recompute="selective"`` keeps: "op" prices torchtitan's per-op checkpointing."""
+    check_instance("config", config, RunConfig)
+    if selective_policy is not None:
+        check_choice("selective_policy", selective_policy, SELECTIVE_POLICIES)
     model, plan, train = config.model, config.plan, config.train
     profile = train.profile
     conventions = profile.memory

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from workbench.predict.comms import step_collectives
 from workbench.spec.config import DTYPE_BYTES, RunConfig
+from workbench.spec.errors import check_instance
 from workbench.spec.framework import Efficiency, FrameworkProfile
 from workbench.predict.memory import MemoryBill, estimate_memory
 from workbench.predict.pipeline import simulate_schedule
@@ -232,6 +233,11 @@ def predict_step(
     ``memory``: the config's bill if already computed (the advisor has it). ``simulate=False``
     replaces the event-driven pipeline simulation with the cached equal-stage simulation scaled to
     the slowest stage (an upper bound, exact when stages are equal): the advisor screens with it."""
+    check_instance("config", config, RunConfig)
+    if efficiency is not None:
+        check_instance("efficiency", efficiency, Efficiency)
+    if memory is not None:
+        check_instance("memory", memory, MemoryBill)
     model, plan, train = config.model, config.plan, config.train
     profile: FrameworkProfile = train.profile
     efficiency = profile.efficiency if efficiency is None else efficiency

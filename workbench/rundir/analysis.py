@@ -14,13 +14,25 @@ from collections import defaultdict
 from typing import Any, Iterable, Mapping
 
 from workbench.predict.stats import percentile
+from workbench.rundir.events import fields_problem
 
 WARMUP_STEPS = 1
 Events = Iterable[Mapping[str, Any]]
 
 
-def _of(events: Events, kind: str, rank: int | None = None) -> list[Mapping[str, Any]]:
-    return [e for e in events if e.get("kind") == kind and (rank is None or e.get("rank") == rank)]
+def _of(events: Events, kind: str, rank: int | None = None,
+        needs: tuple[str, ...] = ("step",)) -> list[Mapping[str, Any]]:
+    """The events of ``kind`` (of ``rank``) that carry the fields ``needs`` names, with every field as
+    the schema types it (:func:`workbench.rundir.events.fields_problem`). Events read from a run
+    directory were checked already; a list from elsewhere (a stream, a test) may not have been, and a
+    malformed event is left out here rather than met as a TypeError further down."""
+    return [e for e in events if isinstance(e, Mapping) and e.get("kind") == kind
+            and (rank is None or e.get("rank") == rank) and all(n in e for n in needs) and fields_problem(e) is None]
+
+
+def ranks_with(events: Events, kind: str) -> set[int]:
+    """The ranks that have at least one usable event of ``kind``."""
+    return {e["rank"] for e in _of(events, kind, needs=("rank",))}
 
 
 def _timed_steps(steps: Iterable[int]) -> set[int]:
@@ -36,7 +48,7 @@ def collective_bytes(events: Events, rank: int) -> dict[tuple[tuple[int, ...], s
     measured steps. Point-to-point counts the sends (each transfer once, as the planner does);
     single-element bookkeeping calls (loss, gradient-norm reductions) are left out: the planner
     does not model them (see :func:`bookkeeping_calls`)."""
-    per_step = _of(events, "collectives", rank)
+    per_step = _of(events, "collectives", rank, ("step", "calls"))
     keep = _timed_steps(e["step"] for e in per_step)  # step 0 also runs one-off setup traffic
     per_step = [e for e in per_step if e["step"] in keep]
     if not per_step:
@@ -64,7 +76,7 @@ def collective_bytes_by_step(events: Events, rank: int) -> dict[int, dict[tuple[
     """Non-bookkeeping bytes per (group, op) of every measured step of ``rank`` (to check that
     every step issues the same traffic)."""
     out: dict[int, dict[tuple[tuple[int, ...], str], int]] = {}
-    for e in _of(events, "collectives", rank):
+    for e in _of(events, "collectives", rank, ("step", "calls")):
         d = out.setdefault(e["step"], defaultdict(int))
         for c in e["calls"]:
             if not c.get("scalar") and c.get("dir") != "recv":
@@ -74,7 +86,7 @@ def collective_bytes_by_step(events: Events, rank: int) -> dict[int, dict[tuple[
 
 def bookkeeping_calls(events: Events, rank: int) -> int:
     """Single-element calls per step on ``rank`` (loss and norm reductions)."""
-    per_step = _of(events, "collectives", rank)
+    per_step = _of(events, "collectives", rank, ("step", "calls"))
     if not per_step:
         return 0
     return round(sum(sum(1 for c in e["calls"] if c.get("scalar")) for e in per_step) / len(per_step))
@@ -83,7 +95,7 @@ def bookkeeping_calls(events: Events, rank: int) -> int:
 def memory(events: Events, rank: int) -> dict[str, int]:
     """Measured bytes per component on ``rank``: model states from the last memory event (they do
     not change), activations as the largest peak over the measured steps after the first."""
-    mem = _of(events, "memory", rank)
+    mem = _of(events, "memory", rank, ("step", "parameters", "gradients", "optimizer", "activations"))
     keep = _timed_steps(e["step"] for e in mem)  # step 0: pipelining's shape inference saves too
     mem = [e for e in mem if e["step"] in keep]
     if not mem:
@@ -124,7 +136,7 @@ def _pipeline_steps(events: Events) -> dict[int, list[Mapping[str, Any]]]:
     and its neighbours' idle shrinks, so those steps measure the load of the machine, not the
     schedule. With every step contended all are kept (the best measurement there is)."""
     by_step: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
-    for e in _of(events, "pipeline"):
+    for e in _of(events, "pipeline", None, ("step", "rank", "window")):
         by_step[e["step"]].append(e)
     keep = _timed_steps(by_step)
     timed = {s: v for s, v in by_step.items() if s in keep}
@@ -170,8 +182,8 @@ def stage_times(events: Events) -> dict[int, dict[str, float]]:
     acc: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for evs in _pipeline_steps(events).values():
         for e in evs:
-            actions = e["actions"]
-            if not actions:
+            actions = e.get("actions")
+            if not actions or "busy_s" not in e:
                 continue
             window = e["window"][1] - e["window"][0]
             overhead = max(0.0, window - e["busy_s"] - e.get("wait_s", 0.0)) / len(actions)
@@ -182,11 +194,11 @@ def stage_times(events: Events) -> dict[int, dict[str, float]]:
 
 def step_times(events: Events) -> dict[int, list[float]]:
     """Per step, every rank's step time (``step_stats`` of rank 0, else each rank's step events)."""
-    stats = _of(events, "step_stats")
+    stats = _of(events, "step_stats", None, ("step", "step_time_s"))
     if stats:
         return {e["step"]: list(e["step_time_s"]) for e in stats}
     out: dict[int, dict[int, float]] = defaultdict(dict)
-    for e in _of(events, "step"):
+    for e in _of(events, "step", None, ("step", "rank", "step_time_s")):
         out[e["step"]][e["rank"]] = e["step_time_s"]
     return {s: [d[r] for r in sorted(d)] for s, d in out.items()}
 
@@ -211,18 +223,18 @@ def step_breakdown(events: Events, rank: int) -> dict[str, float]:
     """Mean seconds per step on ``rank``: ``step_time``, ``data_wait``, ``bubble`` (pipeline idle
     inside ``schedule.step()``), ``comm_<dim>`` (summed durations of its calls; calls that overlap
     compute are counted whole), and ``compute`` = what is left."""
-    steps = [e for e in _of(events, "step", rank)]
+    steps = _of(events, "step", rank, ("step", "step_time_s"))
     keep = _timed_steps(e["step"] for e in steps)
     steps = [e for e in steps if e["step"] in keep]
     if not steps:
         return {}
     out = {"step_time": statistics.fmean(e["step_time_s"] for e in steps),
            "data_wait": statistics.fmean(e.get("data_wait_s", 0.0) for e in steps)}
-    pipe = [e for e in _of(events, "pipeline", rank) if e["step"] in keep]
+    pipe = [e for e in _of(events, "pipeline", rank, ("step", "window", "bubble_fraction")) if e["step"] in keep]
     if pipe:
         out["bubble"] = statistics.fmean((e["window"][1] - e["window"][0]) * e["bubble_fraction"] for e in pipe)
     comm: dict[str, float] = defaultdict(float)
-    coll = [e for e in _of(events, "collectives", rank) if e["step"] in keep]
+    coll = [e for e in _of(events, "collectives", rank, ("step", "calls")) if e["step"] in keep]
     for e in coll:
         for c in e["calls"]:
             if c.get("end") is not None and not c.get("scalar"):
@@ -230,3 +242,20 @@ def step_breakdown(events: Events, rank: int) -> dict[str, float]:
     out.update(sorted(comm.items()))
     out["compute"] = out["step_time"] - sum(v for k, v in out.items() if k != "step_time")
     return out
+
+
+def bookkeeping_time(events: Events, rank: int) -> float | None:
+    """Mean seconds per timed step of ``rank``'s single-element calls (None: none recorded)."""
+    per_step = _of(events, "collectives", rank, ("step", "calls"))
+    keep = [e for e in per_step if e["step"] >= WARMUP_STEPS] or per_step
+    if not keep or not any(c.get("scalar") for e in keep for c in e["calls"]):
+        return None
+    return sum(c["end"] - c["start"] for e in keep for c in e["calls"]
+               if c.get("scalar") and c.get("end") is not None) / len(keep)
+
+
+def mean_mfu(events: Events) -> float | None:
+    """Mean MFU of rank 0's timed steps (None: the run logged none)."""
+    xs = [e["mfu"] for e in _of(events, "step", 0, ("step", "mfu"))
+          if e["mfu"] is not None and e["step"] >= WARMUP_STEPS]
+    return sum(xs) / len(xs) if xs else None

@@ -25,6 +25,8 @@ from typing import Any, Mapping, Sequence
 from workbench.spec.cluster import Cluster
 from workbench.predict.comms import BUS_FACTOR, OPS
 from workbench.spec.errors import ConfigError, check_choice, check_int, check_positive, require
+from workbench.spec.fields import check_types, from_mapping
+from workbench.spec.files import TABLE_MAX_BYTES, read_user_json
 from workbench.spec.plan import ParallelPlan
 
 SCHEMA_VERSION = 1
@@ -142,10 +144,7 @@ class BenchSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "BenchSpec":
-        d = dict(data)
-        d["cluster"] = Cluster.from_dict(d["cluster"])
-        d["plan"] = ParallelPlan.from_dict(d["plan"])
-        return cls(**d)
+        return from_mapping(cls, data, "bench", {"cluster": Cluster.from_dict, "plan": ParallelPlan.from_dict})
 
 
 # ---------------------------------------------------------------------------- comms results
@@ -165,6 +164,14 @@ class CommsRow:
     time_median_s: float
     time_p95_s: float
 
+    def __post_init__(self) -> None:
+        check_types(self, "rows[].")
+        check_int("rows[].size_bytes", self.size_bytes)
+        check_int("rows[].group_size", self.group_size)
+        check_choice("rows[].op", self.op, OPS)
+        for name in ("time_min_s", "time_median_s", "time_p95_s"):
+            check_positive(f"rows[].{name}", getattr(self, name))
+
     @property
     def algbw(self) -> float:
         """Algorithm bandwidth S / t from the median time (bytes/s)."""
@@ -182,8 +189,8 @@ class CommsRow:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CommsRow":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        derived = ("algbw_bytes_per_s", "busbw_bytes_per_s")  # written for readers, computed again here
+        return from_mapping(cls, _without(data, derived, "rows[]"), "rows[]")
 
 
 @dataclass(frozen=True)
@@ -231,20 +238,11 @@ class CommsResults:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CommsResults":
         _check_kind(data, "comms")
-        return cls(
-            cluster=Cluster.from_dict(data["cluster"]),
-            plan=ParallelPlan.from_dict(data["plan"]),
-            world_size=data["world_size"],
-            backend=data["backend"],
-            device=data["device"],
-            dtype=data["dtype"],
-            rows=tuple(CommsRow.from_dict(r) for r in data["rows"]),
-            groups=data.get("groups", {}),
-            aliases=data.get("aliases", {}),
-            implementations=data.get("implementations", {}),
-            versions=data.get("versions", {}),
-            wall_s=data.get("wall_s", 0.0),
-        )
+        return from_mapping(cls, _without(data, ("schema_version", "path"), "comms"), "comms", {
+            "cluster": Cluster.from_dict, "plan": ParallelPlan.from_dict, "rows": _rows(CommsRow)})
+
+    def __post_init__(self) -> None:
+        check_types(self, "comms.")
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -265,6 +263,13 @@ class ComputeRow:
     time_min_s: float
     time_median_s: float
 
+    def __post_init__(self) -> None:
+        check_types(self, "rows[].")
+        for name in ("m", "k", "n", "count"):
+            check_int(f"rows[].{name}", getattr(self, name))
+        for name in ("time_min_s", "time_median_s"):
+            check_positive(f"rows[].{name}", getattr(self, name))
+
     @property
     def flops(self) -> float:
         return 2.0 * self.m * self.k * self.n
@@ -280,8 +285,7 @@ class ComputeRow:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ComputeRow":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return from_mapping(cls, _without(data, ("flops_per_s",), "rows[]"), "rows[]")
 
 
 @dataclass(frozen=True)
@@ -318,9 +322,11 @@ class ComputeResults:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ComputeResults":
         _check_kind(data, "compute")
-        names = {f.name for f in fields(cls)} - {"rows", "kind", "path"}
-        kw = {k: v for k, v in data.items() if k in names}
-        return cls(rows=tuple(ComputeRow.from_dict(r) for r in data["rows"]), **kw)
+        return from_mapping(cls, _without(data, ("schema_version", "path", "flops_per_s"), "compute"), "compute",
+                            {"rows": _rows(ComputeRow)})
+
+    def __post_init__(self) -> None:
+        check_types(self, "compute.")
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -329,7 +335,20 @@ class ComputeResults:
 Results = CommsResults | ComputeResults
 
 
+def _without(data: Any, keys: tuple[str, ...], where: str) -> dict[str, Any]:
+    require(isinstance(data, Mapping), f"{where} must be a JSON object, not {type(data).__name__}", field=where)
+    return {k: v for k, v in data.items() if k not in keys}
+
+
+def _rows(kind: type) -> Any:
+    def read(rows: Any) -> tuple:
+        require(isinstance(rows, list), f"rows must be a list, not {type(rows).__name__}", field="rows")
+        return tuple(kind.from_dict(r) for r in rows)
+    return read
+
+
 def _check_kind(data: Mapping[str, Any], kind: str) -> None:
+    require(isinstance(data, Mapping), f"a {kind} results file must hold a JSON object", field="results")
     version = data.get("schema_version")
     require(version == SCHEMA_VERSION, f"schema_version={version!r} of a {kind} results file is not {SCHEMA_VERSION}",
             field="schema_version", value=version)
@@ -342,8 +361,8 @@ def load_results(path: str | os.PathLike) -> Results:
     p = Path(path)
     if p.is_dir():
         p = p / "comms.json"
-    require(p.exists(), f"results file {str(p)!r} does not exist", field="results", value=str(p))
-    data = json.loads(p.read_text())
+    data = read_user_json(p, "results", TABLE_MAX_BYTES)
+    require(isinstance(data, Mapping), f"results={str(p)!r} must hold a JSON object", field="results")
     kind = data.get("kind")
     if kind == "comms":
         return replace(CommsResults.from_dict(data), path=str(p))

@@ -5,17 +5,21 @@ The trainer (``workbench/trainer/checkpoint.py``) writes the shards with
 notebooks and the UI can use to look at a run's checkpoints without importing torch::
 
     checkpoints/step-<n>.tmp/     while being written (never loaded; discarded at the next start)
-    checkpoints/step-<n>/         committed: __<rank>_<i>.distcp, .metadata, meta.json,
+    checkpoints/step-<n>/         committed: __<rank>_<i>.distcp, .metadata, rng-<rank>.pt, meta.json,
                                   hashes.json (sha256 and size of every file), COMMITTED (last)
     checkpoints/step-<n>.rejected a checkpoint that failed verification, kept for inspection
+
+A save that fails (disk full, read-only) leaves nothing: the trainer removes its ``.tmp`` and
+reports a ``checkpoint`` event with phase "failed" (workbench/trainer/checkpoint.py).
 
 :func:`commit_checkpoint` makes a complete ``.tmp`` directory visible (meta.json, hashes, marker,
 fsync, one atomic rename); :func:`verify_checkpoint` says why a checkpoint is not good, in one line;
 :func:`find_latest_good` picks the newest good one and sets the bad ones aside.
 
-DCP's ``.metadata`` is a pickle of torch classes, so reading it needs torch: the checks here cover
-the marker, the hashes, every file's size and (``full``) every SHA-256, and take the DCP check as
-an optional ``check_metadata`` callable, which the trainer passes.
+DCP's ``.metadata`` (a pickle of torch classes) and the RNG files (``torch.save``) need torch to
+read, safely: the checks here cover the marker, the hashes, every file's size and (``full``) every
+SHA-256, and take the check of the torch files as an optional ``check_metadata`` callable, which the
+trainer passes (and which runs only after the hashes matched).
 """
 
 from __future__ import annotations
@@ -153,14 +157,14 @@ def verify_checkpoint(path: str | os.PathLike, full: bool = True,
             return f"{name} is truncated or overwritten: {size} bytes, {rec['bytes']} recorded"
     if ".metadata" not in hashes:
         return "no DCP .metadata file"
+    if full:  # the hashes before any file is parsed: a corrupted file is reported as corrupted
+        for name, rec in hashes.items():
+            if sha256_file(path / name) != rec["sha256"]:
+                return f"{name} is corrupted: its SHA-256 differs from the one recorded at commit"
     if check_metadata is not None:
         reason = check_metadata(path, hashes)
         if reason is not None:
             return reason
-    if full:
-        for name, rec in hashes.items():
-            if sha256_file(path / name) != rec["sha256"]:
-                return f"{name} is corrupted: its SHA-256 differs from the one recorded at commit"
     return None
 
 

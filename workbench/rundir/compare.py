@@ -30,6 +30,7 @@ No torch here.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from dataclasses import dataclass, field, replace
@@ -123,6 +124,8 @@ def format_value(x: float | None, unit: str) -> str:
     with thousands separators; "-" when missing."""
     if x is None:
         return "-"
+    if not math.isfinite(x):
+        return str(x)  # "inf", "nan": said as they are, not formatted into an exception
     if unit == "B":
         for div, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
             if abs(x) >= div:
@@ -181,15 +184,18 @@ def predicted_collectives(config: RunConfig, rank: int) -> dict[tuple[tuple[int,
 
 
 def collective_rows(config: RunConfig, events: list, rank: int) -> list[Row]:
+    """Bytes and calls per (group, op) on ``rank``. A call the rank did not make measures 0; a rank
+    with no collectives events measured nothing, which is "-", not 0 B at -100%."""
     predicted = predicted_collectives(config, rank)
     measured = analysis.collective_bytes(events, rank)
+    none = None if rank not in analysis.ranks_with(events, "collectives") else 0
     rows = []
     for key in sorted(set(predicted) | set(measured), key=lambda k: (k[1], k[0])):
         p, m = predicted.get(key), measured.get(key)
         label = "/".join(p["dims"]) if p else m["dim"]
         name = f"{label} {key[1]}"
-        rows.append(Row("collectives per step", name, p["bytes"] if p else 0, m["bytes"] if m else 0, "B", rank))
-        rows.append(Row("collectives per step", f"{name} calls", p["count"] if p else 0, m["count"] if m else 0,
+        rows.append(Row("collectives per step", name, p["bytes"] if p else 0, m["bytes"] if m else none, "B", rank))
+        rows.append(Row("collectives per step", f"{name} calls", p["count"] if p else 0, m["count"] if m else none,
                         "calls", rank))
     return rows
 
@@ -216,23 +222,22 @@ def measured_step_time(events: list, rank: int) -> tuple[float, int] | None:
 
 def bookkeeping_time(events: list, rank: int) -> float | None:
     """Mean seconds per timed step of ``rank``'s single-element calls (None: none recorded)."""
-    per_step = [e for e in events if e.get("kind") == "collectives" and e.get("rank") == rank]
-    keep = [e for e in per_step if e["step"] >= analysis.WARMUP_STEPS] or per_step
-    if not keep or not any(c.get("scalar") for e in keep for c in e["calls"]):
-        return None
-    return sum(c["end"] - c["start"] for e in keep for c in e["calls"]
-               if c.get("scalar") and c.get("end") is not None) / len(keep)
+    return analysis.bookkeeping_time(events, rank)
 
 
 def compare_run(run_dir: str | os.PathLike, cluster: "Cluster | None" = None,
                 framework: "str | FrameworkProfile | None" = None) -> Comparison:
     """Predicted vs measured for the run in ``run_dir`` (see the module docstring), priced on
-    ``cluster`` and under ``framework`` where given (:func:`priced_config`)."""
+    ``cluster`` and under ``framework`` where given (:func:`priced_config`). A damaged run directory
+    is a ConfigError naming the file (:func:`~workbench.rundir.record.load_run`); damaged events are
+    skipped, and the notes say what was (:meth:`~workbench.rundir.record.RunRecord.checked_events`),
+    ranks without events included."""
     run = load_run(run_dir)
-    config, events = priced_config(run.config, cluster, framework), run.events()
+    events, read_notes = run.checked_events()
+    config = priced_config(run.config, cluster, framework)
     plan = config.plan
     rows: list[Row] = []
-    notes: list[str] = []
+    notes: list[str] = list(read_notes)
 
     # memory, on the planner's most loaded rank
     bill = estimate_memory(config)
@@ -253,7 +258,9 @@ def compare_run(run_dir: str | os.PathLike, cluster: "Cluster | None" = None,
         m = config.n_microbatches
         planned = simulate_schedule(plan.pp_schedule, plan.pp, m, plan.virtual_stages,
                                     stage_times=prediction.stage_times_s, p2p_time=p2p_time(config))
-        measured_bubble = analysis.bubble_fraction(events)
+        # the run's bubble is over all its ranks: with one silent ("rank 1: no events") it is unmeasured
+        measured_bubble = (analysis.bubble_fraction(events)
+                           if analysis.ranks_with(events, "pipeline") >= set(range(config.world_size)) else None)
         rows.append(Row("pipeline", "bubble fraction", planned.bubble_fraction, measured_bubble, "fraction"))
         st = analysis.stage_times(events)
         if len(st) == plan.n_stages:
@@ -291,7 +298,7 @@ def compare_run(run_dir: str | os.PathLike, cluster: "Cluster | None" = None,
     keys = [k for k in prediction.breakdown if k != "compute"] + ["compute"]
     for k in sorted(set(keys) | {k for k in measured_steps if k != "step_time"}, key=lambda k: (k == "compute", k)):
         rows.append(Row("step time", k, prediction.breakdown.get(k, 0.0), measured_steps.get(k), "s", crit))
-    rows.append(Row("step time", "mfu", prediction.mfu, _mean_mfu(events), "fraction"))
+    rows.append(Row("step time", "mfu", prediction.mfu, analysis.mean_mfu(events), "fraction"))
     if median:
         notes.append(f"step time measured: median of {median[1]} steps on rank {crit} (the breakdown rows: means)")
     if config.cluster.gpu.name == "cpu":
@@ -305,9 +312,3 @@ def compare_run(run_dir: str | os.PathLike, cluster: "Cluster | None" = None,
             notes.append(f"priced on a calibrated cluster ({config.cluster.calibration.source or 'calibration'}) "
                          f"under profile {config.train.profile.name!r} ({config.train.profile.describe_band()})")
     return Comparison(str(run_dir), config, tuple(rows), tuple(notes))
-
-
-def _mean_mfu(events: list) -> float | None:
-    xs = [e["mfu"] for e in events if e.get("kind") == "step" and e.get("rank") == 0 and e.get("mfu") is not None
-          and e["step"] >= analysis.WARMUP_STEPS]
-    return sum(xs) / len(xs) if xs else None

@@ -23,15 +23,15 @@ MIN_TIMED_STEPS = 3  # a median of fewer steps is one noisy step
 def measurement_from_run(path: str | os.PathLike) -> Measurement:
     """The run at ``path`` as a measurement (raises :class:`ConfigError` when it measured too little)."""
     path = Path(path)
-    require((path / "config.json").is_file(), f"measured={str(path)!r} is not a run directory (no config.json)",
+    require(os.path.lexists(path / "config.json"), f"measured={str(path)!r} is not a run directory (no config.json)",
             field="measured", value=str(path))
-    run = load_run(path)
-    events = run.events()
+    run = load_run(path)  # a damaged file: one ConfigError naming it
+    events, _ = run.checked_events()  # the run's own ranks; bad lines skipped
     steps = {s: max(t) for s, t in step_times(events).items() if s >= WARMUP_STEPS and t}
     require(len(steps) >= MIN_TIMED_STEPS,
             f"run {path.name} has {len(steps)} timed steps after warm-up; a measurement needs >= {MIN_TIMED_STEPS}",
             field="measured", value=str(path))
-    peaks = [memory(events, r).get("cuda_peak_reserved") for r in range(run.config.world_size)]
+    peaks = [memory(events, r).get("cuda_peak_reserved") for r in sorted({e["rank"] for e in events})]
     peak = max((p for p in peaks if p), default=None)
     return Measurement(run.config, step_time_s=statistics.median(steps.values()), peak_memory_bytes=peak,
                        label=f"run {path.name} ({run.config.plan.describe()})", framework=run.config.train.profile.name,

@@ -17,7 +17,9 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
 
-from workbench.spec.errors import ConfigError, check_int, check_positive, require
+from workbench.spec.errors import ConfigError, check_choice, check_int, check_positive, require
+from workbench.spec.fields import check_types, from_mapping
+from workbench.spec.files import parse_json
 
 GiB = 1 << 30
 TIERS = ("intra_node", "inter_node", "inter_leaf")
@@ -44,10 +46,15 @@ class GPUSpec:
     context_bytes: int = 0
 
     def __post_init__(self) -> None:
+        check_types(self, "gpu.")
         check_int("gpu.hbm_bytes", self.hbm_bytes)
         check_positive("gpu.bf16_flops", self.bf16_flops)
         check_positive("gpu.fp8_flops", self.fp8_flops, allow_zero=True)
+        check_positive("gpu.fp32_flops", self.fp32_flops, allow_zero=True)
+        check_positive("gpu.hbm_bandwidth_bytes_per_s", self.hbm_bandwidth_bytes_per_s, allow_zero=True)
         check_int("gpu.context_bytes", self.context_bytes, minimum=0)
+        require(self.context_bytes < self.hbm_bytes, f"gpu.context_bytes={self.context_bytes} must be less than "
+                f"gpu.hbm_bytes={self.hbm_bytes}", field="gpu.context_bytes", value=self.context_bytes)
 
     def peak_flops(self, dtype: str) -> float:
         if dtype in ("bf16", "fp16"):
@@ -69,6 +76,7 @@ class LinkSpec:
     latency_s: float
 
     def __post_init__(self) -> None:
+        check_types(self, "link.")
         check_positive(f"{self.name}.bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
         check_positive(f"{self.name}.latency_s", self.latency_s, allow_zero=True)
 
@@ -79,6 +87,11 @@ class LinkCalibration:
 
     bandwidth_bytes_per_s: float  # bus bandwidth (nccl-tests convention)
     latency_s: float
+
+    def __post_init__(self) -> None:
+        check_types(self, "calibration.")
+        check_positive("calibration.bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+        check_positive("calibration.latency_s", self.latency_s, allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,20 @@ class Calibration:
     flops_per_s: Mapping[str, float] = field(default_factory=dict)
     source: str = ""
 
+    def __post_init__(self) -> None:
+        check_types(self, "calibration.")
+        for tier, by_op in self.links.items():
+            check_choice("calibration.links tier", tier, TIERS)
+            require(isinstance(by_op, Mapping), f"calibration.links[{tier!r}] must be an object",
+                    field="calibration.links", value=by_op)
+            for op, fit in by_op.items():
+                check_choice(f"calibration.links[{tier!r}] collective", op, COLLECTIVES)
+                require(isinstance(fit, LinkCalibration), f"calibration.links[{tier!r}][{op!r}]={fit!r} must be "
+                        "a fit {bandwidth_bytes_per_s, latency_s}", field="calibration.links", value=fit)
+        for dtype, rate in self.flops_per_s.items():
+            check_choice("calibration.flops_per_s dtype", dtype, DTYPES)
+            check_positive(f"calibration.flops_per_s[{dtype!r}]", rate)
+
     def link(self, tier: str, collective: str) -> LinkCalibration | None:
         return self.links.get(tier, {}).get(collective)
 
@@ -104,10 +131,17 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Calibration":
-        links = {
-            t: {c: LinkCalibration(**v) for c, v in cs.items()} for t, cs in data.get("links", {}).items()
-        }
-        return cls(links=links, flops_per_s=dict(data.get("flops_per_s", {})), source=data.get("source", ""))
+        def links(raw: Any) -> dict[str, dict[str, LinkCalibration]]:
+            require(isinstance(raw, Mapping), "calibration.links must be an object", field="calibration.links")
+            out: dict[str, dict[str, LinkCalibration]] = {}
+            for tier, by_op in raw.items():
+                require(isinstance(by_op, Mapping), f"calibration.links[{tier!r}] must be an object",
+                        field="calibration.links")
+                out[tier] = {op: from_mapping(LinkCalibration, v, f"calibration.links[{tier!r}][{op!r}]")
+                             for op, v in by_op.items()}
+            return out
+
+        return from_mapping(cls, data, "calibration", {"links": links})
 
 
 @dataclass(frozen=True)
@@ -126,8 +160,9 @@ class Cluster:
     name: str = ""
 
     def __post_init__(self) -> None:
-        check_int("nodes", self.nodes)
-        check_int("gpus_per_node", self.gpus_per_node)
+        check_types(self)
+        check_int("nodes", self.nodes, maximum=1 << 20)
+        check_int("gpus_per_node", self.gpus_per_node, maximum=1 << 10)
         check_positive("node_mtbf_s", self.node_mtbf_s)
         if self.nodes_per_leaf is not None:
             check_int("nodes_per_leaf", self.nodes_per_leaf)
@@ -174,7 +209,7 @@ class Cluster:
 
     @classmethod
     def preset(cls, name: str, nodes: int = 1, **overrides: Any) -> "Cluster":
-        if name not in _PRESETS:
+        if not isinstance(name, str) or name not in _PRESETS:
             raise ConfigError(
                 f"cluster={name!r} is not a preset; presets: {', '.join(_PRESETS)}", field="cluster", value=name
             )
@@ -187,20 +222,21 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Cluster":
-        d = dict(data)
-        d["gpu"] = GPUSpec(**d["gpu"])
-        d["intra_node"] = LinkSpec(**d["intra_node"])
-        d["inter_node"] = LinkSpec(**d["inter_node"])
-        d["spine"] = LinkSpec(**d["spine"]) if d.get("spine") else None
-        d["calibration"] = Calibration.from_dict(d["calibration"]) if d.get("calibration") else None
-        return cls(**d)
+        def link(where: str) -> Any:
+            return lambda v: from_mapping(LinkSpec, v, f"cluster.{where}")
+
+        return from_mapping(cls, data, "cluster", {
+            "gpu": lambda v: from_mapping(GPUSpec, v, "cluster.gpu"),
+            "intra_node": link("intra_node"), "inter_node": link("inter_node"), "spine": link("spine"),
+            "calibration": Calibration.from_dict,
+        })
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> "Cluster":
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(parse_json(text, "cluster"))
 
 
 # GPUs. Dense peaks from NVIDIA datasheets (the sparse figures are 2x these).

@@ -21,13 +21,14 @@ the optimizer updates (None when the stored parameters are themselves the master
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 import os
-from pathlib import Path
 from typing import Any, Mapping
 
 from workbench.spec.cluster import Cluster
-from workbench.spec.errors import ConfigError, check_choice, check_int, check_positive, require
+from workbench.spec.errors import ConfigError, check_choice, check_fraction, check_int, check_positive, require
+from workbench.spec.fields import check_types, from_mapping
+from workbench.spec.files import parse_json, read_user_json
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import PLAN_ALIASES, ParallelPlan
 from workbench.spec.framework import DEFAULT_FRAMEWORK, FRAMEWORKS, FrameworkProfile, resolve_framework
@@ -101,9 +102,13 @@ class TrainSettings:
     guard_min_tokens_per_s: float = 0.0  # stop when global tokens/s falls under this floor (0: off)
 
     def __post_init__(self) -> None:
-        check_int("seq_len", self.seq_len)
-        check_int("micro_batch_size", self.micro_batch_size)
-        check_int("global_batch_size", self.global_batch_size, minimum=0)
+        # a profile given as a dict (read from JSON) or a path becomes the profile itself first
+        if not (isinstance(self.framework, str) and self.framework in FRAMEWORKS):
+            object.__setattr__(self, "framework", resolve_framework(self.framework))
+        check_types(self)
+        check_int("seq_len", self.seq_len, maximum=1 << 26)
+        check_int("micro_batch_size", self.micro_batch_size, maximum=1 << 24)
+        check_int("global_batch_size", self.global_batch_size, minimum=0, maximum=1 << 40)
         check_choice("recompute", self.recompute, RECOMPUTE)
         check_choice("attention", self.attention, ATTENTION)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -111,8 +116,6 @@ class TrainSettings:
             check_choice(f, getattr(self, f), tuple(DTYPE_BYTES))
         if self.master_dtype is not None:
             check_choice("master_dtype", self.master_dtype, tuple(DTYPE_BYTES))
-        if not (isinstance(self.framework, str) and self.framework in FRAMEWORKS):
-            object.__setattr__(self, "framework", resolve_framework(self.framework))
         # resolved once: the advisor reads it for every one of thousands of bills
         object.__setattr__(self, "_profile", resolve_framework(self.framework))
         if self.allocator_fragmentation is not None:
@@ -122,17 +125,24 @@ class TrainSettings:
                 f"allocator_fragmentation={self.allocator_fragmentation} must be in [0, 1)",
                 field="allocator_fragmentation",
             )
-        check_int("steps", self.steps, minimum=0)
+        check_int("steps", self.steps, minimum=0, maximum=1 << 40)
         check_positive("lr", self.lr)
-        check_int("warmup_steps", self.warmup_steps, minimum=0)
+        check_fraction("min_lr_ratio", self.min_lr_ratio)
+        check_int("warmup_steps", self.warmup_steps, minimum=0, maximum=1 << 40)
+        check_positive("weight_decay", self.weight_decay, allow_zero=True)
+        for i, beta in enumerate(self.betas):
+            check_fraction(f"betas[{i}]", beta, closed=False)
         check_positive("grad_clip", self.grad_clip, allow_zero=True)
+        check_int("seed", self.seed, minimum=0, maximum=(1 << 63) - 1)
         check_choice("dataset", self.dataset, DATASETS)
         if self.dataset in ("text", "bin"):
-            require(self.data_path is not None, f"dataset={self.dataset!r} needs data_path", field="data_path")
+            require(bool(self.data_path), f"dataset={self.dataset!r} needs data_path", field="data_path")
         check_int("checkpoint_every", self.checkpoint_every, minimum=0)
         require(isinstance(self.checkpoint_async, bool), f"checkpoint_async={self.checkpoint_async!r} must be true or false",
                 field="checkpoint_async", value=self.checkpoint_async)
         check_int("checkpoint_keep", self.checkpoint_keep, minimum=1)
+        check_positive("moe_aux_loss_coeff", self.moe_aux_loss_coeff, allow_zero=True)
+        check_positive("moe_capacity_factor", self.moe_capacity_factor, allow_zero=True)
         require(
             self.moe_capacity_factor == 0 or self.moe_capacity_factor >= 1,
             f"moe_capacity_factor={self.moe_capacity_factor} must be 0 (dropless) or >= 1",
@@ -191,11 +201,7 @@ class TrainSettings:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TrainSettings":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"train has unknown fields {unknown}", field="train")
-        return cls(**dict(data))
+        return from_mapping(cls, data, "train")
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,7 @@ class RunConfig:
     train: TrainSettings
 
     def __post_init__(self) -> None:
+        check_types(self)
         # Validate once with the batch unresolved (model and degree rules), then resolve the batch.
         plan = validate_plan(self.plan, self.model, self.cluster, replace(self.train, global_batch_size=0))
         train = self.train
@@ -218,6 +225,13 @@ class RunConfig:
             train = replace(train, global_batch_size=train.micro_batch_size * plan.dp * m)
             object.__setattr__(self, "train", train)
         object.__setattr__(self, "plan", validate_plan(plan, self.model, self.cluster, train))
+        m = self.model
+        # A learned position table has max_seq_len rows: a longer sequence has no embedding. RoPE
+        # has no table; a sequence past the trained context is a context extension (Llama 3.1
+        # trains 128k on the 8k architecture), priced like any other and noted (plan_notes).
+        require(m.position != "learned" or train.seq_len <= m.max_seq_len,
+                f"seq_len={train.seq_len} exceeds max_seq_len={m.max_seq_len}, the rows of the model's learned "
+                "position table", field="seq_len", value=train.seq_len)
 
     @property
     def world_size(self) -> int:
@@ -245,31 +259,20 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
-        missing = [k for k in ("model", "cluster", "plan", "train") if k not in data]
-        if missing:
-            raise ConfigError(f"run config is missing {', '.join(missing)}", field=missing[0])
-        return cls(
-            model=ModelSpec.from_dict(data["model"]),
-            cluster=Cluster.from_dict(data["cluster"]),
-            plan=ParallelPlan.from_dict(data["plan"]),
-            train=TrainSettings.from_dict(data["train"]),
-        )
+        return from_mapping(cls, data, "config", {"model": ModelSpec.from_dict, "cluster": Cluster.from_dict,
+                                                   "plan": ParallelPlan.from_dict, "train": TrainSettings.from_dict})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> "RunConfig":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"run config is not valid JSON ({e.msg} at line {e.lineno})", field="config") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "config"))
 
     @classmethod
-    def load(cls, path: str) -> "RunConfig":
-        with open(path) as f:
-            return cls.from_json(f.read())
+    def load(cls, path: str | os.PathLike) -> "RunConfig":
+        """Read a RunConfig JSON file (a regular file of at most a few MiB)."""
+        return cls.from_dict(read_user_json(path, "config"))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -287,7 +290,11 @@ def build_model(model: str | ModelSpec = "llama3-8b", hf_config: str | os.PathLi
     """A ModelSpec from a preset name, a Hugging Face ``config.json`` (path or dict), or as given."""
     if hf_config is not None:
         return ModelSpec.from_hf_config(hf_config)
-    return model if isinstance(model, ModelSpec) else ModelSpec.preset(model)
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, Mapping):
+        return ModelSpec.from_dict(model)
+    return ModelSpec.preset(model)
 
 
 def build_cluster(cluster: str | Cluster | None = None, gpu: str | None = None, gpus: int | None = None,
@@ -298,17 +305,20 @@ def build_cluster(cluster: str | Cluster | None = None, gpu: str | None = None, 
         raise ConfigError("give a cluster or a gpu, not both", field="gpu", value=gpu)
     if isinstance(cluster, Cluster):
         base = cluster
-    elif cluster and str(cluster).endswith(".json"):
-        try:
-            text = Path(cluster).read_text()
-        except OSError as err:
-            raise ConfigError(f"cluster={str(cluster)!r}: {err.strerror}", field="cluster", value=str(cluster)) from None
-        base = Cluster.from_json(text)
+    elif isinstance(cluster, Mapping):
+        base = Cluster.from_dict(cluster)
+    elif isinstance(cluster, (str, os.PathLike)) and str(cluster).endswith(".json"):
+        base = Cluster.from_dict(read_user_json(cluster, "cluster"))
+    elif cluster is not None and not isinstance(cluster, str):
+        raise ConfigError(f"cluster={cluster!r} must be a preset name, a cluster .json path or a Cluster",
+                          field="cluster", value=cluster)
     else:
         if gpu is not None and gpu not in GPU_CLUSTERS:
             raise ConfigError(f"gpu={gpu!r} is not one of {', '.join(GPU_CLUSTERS)}", field="gpu", value=gpu)
         base = Cluster.preset(cluster or GPU_CLUSTERS[gpu or "h100-80gb"])
     per_node = base.gpus_per_node
+    if nodes is not None:
+        check_int("nodes", nodes)
     if gpus is not None:
         check_int("gpus", gpus)
         if nodes is not None and nodes * per_node != gpus and not (nodes == 1 and gpus < per_node):
@@ -320,7 +330,7 @@ def build_cluster(cluster: str | Cluster | None = None, gpu: str | None = None, 
             raise ConfigError(f"gpus={gpus} is not a multiple of {per_node} GPUs per node of {base.name}",
                               field="gpus", value=gpus)
         nodes = gpus // per_node
-    return replace(base, nodes=nodes or 1)
+    return replace(base, nodes=1 if nodes is None else nodes)
 
 
 def build_plan(plan: str | Mapping[str, Any] | ParallelPlan | None = None, **defaults: Any) -> ParallelPlan:
@@ -330,8 +340,11 @@ def build_plan(plan: str | Mapping[str, Any] | ParallelPlan | None = None, **def
         return plan
     if isinstance(plan, str):
         return ParallelPlan.parse(plan, **defaults)
+    if plan is not None and not isinstance(plan, Mapping):
+        raise ConfigError(f"plan={plan!r} must be text like 'tp=8,pp=4', a mapping of degrees or a ParallelPlan",
+                          field="plan", value=plan)
     fields_ = {PLAN_ALIASES.get(k, k): v for k, v in {**defaults, **dict(plan or {})}.items()}
-    return ParallelPlan(**fields_)
+    return ParallelPlan.from_dict(fields_)
 
 
 def build_run_config(model: str | ModelSpec = "llama3-8b", *, hf_config: Any = None,
@@ -358,7 +371,7 @@ def build_run_config(model: str | ModelSpec = "llama3-8b", *, hf_config: Any = N
         machines = replace(base, nodes=world // per_node, gpus_per_node=per_node)
     else:
         machines = build_cluster(cluster, gpu, gpus, nodes)
-    settings = TrainSettings(**train)
+    settings = TrainSettings.from_dict(train)
     return RunConfig(spec, machines, parsed, settings.with_precision(precision) if precision else settings)
 
 
@@ -488,10 +501,15 @@ def plan_notes(config: RunConfig) -> list[str]:
     torch limits it breaks and how it is predicted anyway (as another framework runs it), e.g.
     1F1B with fewer micro-batches than stages, predicted as the degenerate pipeline Megatron runs."""
     plan, limits = config.plan, torch_limits(config)
-    if not limits:
-        return []
-    form = degenerate_form(plan.pp_schedule, plan.pp, config.n_microbatches, plan.virtual_stages)
-    return [f"{why}; {form}" for why in limits]
+    notes = []
+    if limits:
+        form = degenerate_form(plan.pp_schedule, plan.pp, config.n_microbatches, plan.virtual_stages)
+        notes = [f"{why}; {form}" for why in limits]
+    m, s = config.model, config.train.seq_len
+    if s > m.max_seq_len:  # RoPE only: a learned table refuses it (RunConfig)
+        notes.append(f"seq_len={s} exceeds the model's trained context max_seq_len={m.max_seq_len}: a context "
+                     "extension (RoPE scaling), priced as any sequence of that length")
+    return notes
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -40,7 +40,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from workbench.spec.errors import ConfigError, check_positive, require
+from workbench.spec.errors import ConfigError, check_int, check_positive, require
+from workbench.spec.fields import check_types, from_mapping
+from workbench.spec.files import read_user_json
 
 TIERS = ("intra_node", "inter_node", "inter_leaf")
 FLASH_ATTENTION_2 = 0.34  # of dense bf16 peak, fwd + bwd, causal, H100 (Dao 2023, Fig. 7: 338 of 989 TFLOP/s)
@@ -89,6 +91,7 @@ class Efficiency:
     overhead_s_per_collective: float = 0.0
 
     def __post_init__(self) -> None:
+        check_types(self, "efficiency.")
         for name in ("matmul", "attention", "memory"):
             value = getattr(self, name)
             check_positive(f"efficiency.{name}", value)
@@ -160,6 +163,7 @@ class MemoryConventions:
     foreach_optimizer: bool = True
 
     def __post_init__(self) -> None:
+        check_types(self, "memory.")
         require(0 <= self.allocator_fragmentation < 1,
                 f"memory.allocator_fragmentation={self.allocator_fragmentation} must be in [0, 1)",
                 field="memory.allocator_fragmentation", value=self.allocator_fragmentation)
@@ -192,6 +196,13 @@ class ErrorBand:
     n_runs: int
     method: str
     memory_error: float | None = None
+
+    def __post_init__(self) -> None:
+        check_types(self, "band.")
+        for name in ("step_error", "p90_step_error", "memory_error"):
+            if getattr(self, name) is not None:
+                check_positive(f"band.{name}", getattr(self, name), allow_zero=True)
+        check_int("band.n_runs", self.n_runs, minimum=0)
 
     def describe(self, profile: str) -> str:
         """``+/- 9 %, fsdp profile, fitted on 56 runs (5-fold)``."""
@@ -231,17 +242,24 @@ class FrameworkProfile:
                 f"framework name={self.name!r} must be a non-empty string", field="framework.name", value=self.name)
         for attr in ("in_stage_comm_exposed", "overlapped_comm_exposed"):
             raw = getattr(self, attr)
+            ok = isinstance(raw, Mapping) or (isinstance(raw, (list, tuple)) and all(
+                isinstance(p, (list, tuple)) and len(p) == 2 for p in raw))
+            require(ok, f"framework.{attr}={raw!r} must be an object of tier: share", field=f"framework.{attr}",
+                    value=raw)
             pairs = dict(raw.items() if isinstance(raw, Mapping) else (tuple(p) for p in raw))
-            unknown = sorted(set(pairs) - set(TIERS))
+            unknown = sorted(map(str, set(pairs) - set(TIERS)))
             require(not unknown, f"framework.{attr} has unknown tiers {unknown}; tiers are {', '.join(TIERS)}",
                     field=f"framework.{attr}", value=unknown)
             for tier, share in pairs.items():
-                require(isinstance(share, (int, float)) and 0 <= share <= 1,
+                require(isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1,
                         f"framework.{attr}[{tier}]={share!r} must be a share in [0, 1]",
                         field=f"framework.{attr}", value=share)
             default = 1.0 if attr == "in_stage_comm_exposed" else 0.0
             object.__setattr__(self, attr, tuple((t, float(pairs.get(t, default))) for t in TIERS))
+        require(isinstance(self.fitted, (list, tuple)), f"framework.fitted={self.fitted!r} must be a list of names",
+                field="framework.fitted", value=self.fitted)
         object.__setattr__(self, "fitted", tuple(self.fitted))
+        check_types(self, "framework.")
 
     def in_stage_exposed(self, tier: str) -> float:
         return dict(self.in_stage_comm_exposed)[tier]
@@ -263,24 +281,9 @@ class FrameworkProfile:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "FrameworkProfile":
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"a framework profile must be a JSON object, got {type(data).__name__}",
-                              field="framework")
-        _no_unknown(data, cls, "framework")
-        d = dict(data)
         parts = {"efficiency": Efficiency, "memory": MemoryConventions, "band": ErrorBand}
-        for key, kind in parts.items():
-            if d.get(key) is not None:
-                if not isinstance(d[key], Mapping):
-                    raise ConfigError(f"framework.{key} must be a JSON object", field=f"framework.{key}")
-                _no_unknown(d[key], kind, f"framework.{key}")
-                try:
-                    d[key] = kind(**d[key])
-                except TypeError as err:  # a missing required field of ErrorBand
-                    raise ConfigError(f"framework.{key}: {err}", field=f"framework.{key}") from None
-        if "name" not in d:
-            raise ConfigError("a framework profile needs a name", field="framework.name")
-        return cls(**d)
+        return from_mapping(cls, data, "framework", {
+            key: (lambda v, kind=kind, key=key: from_mapping(kind, v, f"framework.{key}")) for key, kind in parts.items()})
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -289,23 +292,10 @@ class FrameworkProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> "FrameworkProfile":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except OSError as err:
-            raise ConfigError(f"framework profile {path}: {err.strerror}", field="framework", value=str(path)) from None
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"framework profile {path} is not JSON: {err.msg} (line {err.lineno})",
-                              field="framework", value=str(path)) from None
+        data = read_user_json(path, "framework")
         if isinstance(data, Mapping) and "profile" in data and "name" not in data:
             data = data["profile"]  # a calibration file: the profile and its report
         return cls.from_dict(data)
-
-
-def _no_unknown(data: Mapping[str, Any], kind: type, where: str) -> None:
-    unknown = sorted(set(data) - {f.name for f in fields(kind)})
-    if unknown:
-        raise ConfigError(f"{where} has unknown fields {unknown}", field=where, value=unknown)
 
 
 FRAMEWORKS: dict[str, FrameworkProfile] = {
@@ -353,12 +343,19 @@ def resolve_framework(value: "str | FrameworkProfile | Mapping[str, Any]") -> Fr
     if isinstance(value, str):
         if value in FRAMEWORKS:
             return FRAMEWORKS[value]
-        if value.endswith(".json") or Path(value).is_file():
+        if value.endswith(".json") or _is_file(value):
             return FrameworkProfile.load(value)
         raise ConfigError(f"framework={value!r} is not one of {', '.join(FRAMEWORKS)} nor a profile .json file",
                           field="framework", value=value)
     raise ConfigError(f"framework={value!r} must be a name ({', '.join(FRAMEWORKS)}), a profile .json path or a profile",
                       field="framework", value=value)
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):  # a name too long to be a path, a NUL
+        return False
 
 
 def with_efficiency(profile: FrameworkProfile, **changes: float) -> FrameworkProfile:

@@ -7,12 +7,12 @@ without the two modules importing each other.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 from workbench.spec.errors import ConfigError
+from workbench.spec.files import read_user_json
 
 SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -26,27 +26,50 @@ _MOE_REQUIRED = {
 def _load(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(config, Mapping):
         return dict(config)
+    if not isinstance(config, (str, os.PathLike)):
+        raise ConfigError(f"hf_config={config!r} must be a path or a JSON object", field="hf_config")
     path = Path(config)
-    if path.is_dir():
-        path = path / "config.json"
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"hf_config={str(path)!r} does not exist", field="hf_config", value=str(path)) from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(
-            f"hf_config={str(path)!r} is not valid JSON ({e.msg} at line {e.lineno})", field="hf_config"
-        ) from None
+        if path.is_dir():  # a model folder: its config.json
+            path = path / "config.json"
+    except (OSError, ValueError):
+        pass  # read_user_json names the path and the cause
+    data = read_user_json(path, "hf_config")
     if not isinstance(data, dict):
-        raise ConfigError(f"hf_config={str(path)!r} must hold a JSON object", field="hf_config")
+        raise ConfigError(f"hf_config={str(path)!r} must hold a JSON object, not {type(data).__name__}",
+                          field="hf_config")
     return data
+
+
+def _typed(cfg: Mapping[str, Any], key: str, kind: type, default: Any = None) -> Any:
+    """``cfg[key]`` checked against ``kind`` under its Hugging Face name (``num_hidden_layers='x'
+    must be an integer``), ``default`` when absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        what = "a number"
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        what = "an integer"
+    elif kind is bool:
+        ok, what = isinstance(value, bool), "true or false"
+    elif kind is list:
+        ok, what = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value), \
+            "a list of integers"
+    else:
+        ok, what = isinstance(value, kind), f"a {kind.__name__}"
+    if not ok:
+        raise ConfigError(f"{key}={value!r} must be {what}", field=key, value=value)
+    return value
 
 
 def hf_config_fields(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     """The ModelSpec fields a ``config.json`` (a path, a folder holding one, or the parsed dict) describes."""
     cfg = _load(config)
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED:
         raise ConfigError(
             f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED)}",
             field="model_type",
@@ -57,31 +80,33 @@ def hf_config_fields(config: str | os.PathLike | Mapping[str, Any]) -> dict[str,
         raise ConfigError(
             f"{model_type} config.json is missing {', '.join(missing)}", field=missing[0], value=None
         )
-    act = cfg.get("hidden_act", "silu")
+    act = _typed(cfg, "hidden_act", str, "silu")
     if act not in ("silu", "swish"):
         raise ConfigError(
             f"hidden_act={act!r} is not supported for {model_type}: its gated MLP is modelled as SwiGLU (silu)",
             field="hidden_act",
             value=act,
         )
+    for key in _REQUIRED + _MOE_REQUIRED.get(model_type, ()):
+        _typed(cfg, key, int)
     kw: dict[str, Any] = dict(
         n_layers=cfg["num_hidden_layers"],
         d_model=cfg["hidden_size"],
         n_heads=cfg["num_attention_heads"],
-        n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        head_dim=cfg.get("head_dim") or None,
+        n_kv_heads=_typed(cfg, "num_key_value_heads", int) or cfg["num_attention_heads"],
+        head_dim=_typed(cfg, "head_dim", int) or None,
         d_ff=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"],
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_embeddings=_typed(cfg, "tie_word_embeddings", bool, False),
         activation="swiglu",
         norm="rmsnorm",
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        max_seq_len=int(cfg.get("max_position_embeddings", 8192)),
-        name=cfg.get("_name_or_path", "") or model_type,
+        rope_theta=_typed(cfg, "rope_theta", float, 10000.0),
+        max_seq_len=_typed(cfg, "max_position_embeddings", int, 8192),
+        name=_typed(cfg, "_name_or_path", str, "") or model_type,
     )
     if model_type in ("qwen2", "qwen2_moe"):
         kw["qkv_bias"] = True  # Qwen2 attention: bias on q, k, v
-    elif cfg.get("attention_bias"):
+    elif _typed(cfg, "attention_bias", bool, False):
         raise ConfigError(
             f"attention_bias=true is not supported for {model_type} (no released model of the family uses it)",
             field="attention_bias",
@@ -89,13 +114,13 @@ def hf_config_fields(config: str | os.PathLike | Mapping[str, Any]) -> dict[str,
         )
     if model_type in ("qwen3", "qwen3_moe"):
         kw["qk_norm"] = True
-    if cfg.get("mlp_bias"):
+    if _typed(cfg, "mlp_bias", bool, False):
         raise ConfigError("mlp_bias=true is not supported (no released Llama-family model uses it)", field="mlp_bias")
     if model_type == "mixtral":
         kw.update(n_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"], moe_d_ff=cfg["intermediate_size"])
     elif model_type in ("qwen2_moe", "qwen3_moe"):
-        step = cfg.get("decoder_sparse_step", 1)
-        dense_only = sorted(cfg.get("mlp_only_layers", []) or [])
+        step = _typed(cfg, "decoder_sparse_step", int, 1)
+        dense_only = sorted(_typed(cfg, "mlp_only_layers", list, []))
         if step != 1:
             raise ConfigError(
                 f"decoder_sparse_step={step} is not supported: MoE layers must follow first_k_dense_layers dense ones",
@@ -114,7 +139,7 @@ def hf_config_fields(config: str | os.PathLike | Mapping[str, Any]) -> dict[str,
             moe_d_ff=cfg["moe_intermediate_size"],
             first_k_dense_layers=len(dense_only),
         )
-        shared = cfg.get("shared_expert_intermediate_size", 0) or 0
+        shared = _typed(cfg, "shared_expert_intermediate_size", int, 0)
         if shared:
             kw.update(n_shared_experts=1, shared_d_ff=shared, shared_expert_gate=True)
     return kw

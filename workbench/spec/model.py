@@ -13,11 +13,22 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping
 
-from workbench.spec.errors import ConfigError, check_choice, check_int, require
+from workbench.spec.errors import ConfigError, check_choice, check_int, check_positive, require
+from workbench.spec.fields import check_types, from_mapping
+from workbench.spec.files import parse_json
 from workbench.spec.hf import hf_config_fields
+
+# Sizes past these are typos (or attacks), not models: the largest published models have ~200
+# layers, d_model 2^15 and 2^18 vocabulary entries; the bounds leave two orders of magnitude.
+MAX_LAYERS = 10_000
+MAX_WIDTH = 1 << 24  # d_model, d_ff, head_dim
+MAX_VOCAB = 1 << 26
+MAX_HEADS = 1 << 16
+MAX_EXPERTS = 1 << 16
+MAX_SEQ_LEN = 1 << 26
 
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
@@ -82,10 +93,18 @@ class ModelSpec:
     name: str = ""
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        for f in ("n_layers", "d_model", "n_heads", "n_kv_heads", "vocab_size"):
-            check_int(f, getattr(self, f))
+        limits = {"n_layers": MAX_LAYERS, "d_model": MAX_WIDTH, "n_heads": MAX_HEADS, "n_kv_heads": MAX_HEADS,
+                  "vocab_size": MAX_VOCAB}
+        for f, most in limits.items():
+            check_int(f, getattr(self, f), maximum=most)
+        check_int("d_ff", self.d_ff, minimum=0, maximum=MAX_WIDTH)
+        check_int("moe_d_ff", self.moe_d_ff, minimum=0, maximum=MAX_WIDTH)
+        check_int("n_experts", self.n_experts, minimum=0, maximum=MAX_EXPERTS)
+        check_int("top_k", self.top_k, minimum=0, maximum=MAX_EXPERTS)
+        check_positive("rope_theta", self.rope_theta)
         if self.head_dim is None:
             require(
                 self.d_model % self.n_heads == 0,
@@ -94,7 +113,7 @@ class ModelSpec:
                 value=self.n_heads,
             )
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        check_int("head_dim", self.head_dim)
+        check_int("head_dim", self.head_dim, maximum=MAX_WIDTH)
         require(
             self.n_heads % self.n_kv_heads == 0,
             f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads} (grouped-query attention "
@@ -110,9 +129,11 @@ class ModelSpec:
             object.__setattr__(self, "d_ff", default)
         check_int("d_ff", self.d_ff)
         check_int("n_experts", self.n_experts, minimum=0)
-        check_int("n_shared_experts", self.n_shared_experts, minimum=0)
+        check_int("n_shared_experts", self.n_shared_experts, minimum=0, maximum=MAX_EXPERTS)
         check_int("first_k_dense_layers", self.first_k_dense_layers, minimum=0)
-        check_int("max_seq_len", self.max_seq_len)
+        check_int("max_seq_len", self.max_seq_len, maximum=MAX_SEQ_LEN)
+        if self.shared_d_ff is not None:
+            check_int("shared_d_ff", self.shared_d_ff, maximum=MAX_WIDTH)
         if self.n_experts:
             check_int("top_k", self.top_k)
             require(
@@ -149,7 +170,7 @@ class ModelSpec:
     @classmethod
     def preset(cls, name: str) -> "ModelSpec":
         """A named architecture; ``ModelSpec.presets()`` lists them."""
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise ConfigError(
                 f"model={name!r} is not a preset; presets: {', '.join(PRESETS)}", field="model", value=name
             )
@@ -165,18 +186,14 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelSpec":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"model has unknown fields {unknown}; known: {sorted(known)}", field="model")
-        return cls(**dict(data))
+        return from_mapping(cls, data, "model")
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> "ModelSpec":
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(parse_json(text, "model"))
 
     # ------------------------------------------------------------------ structure
     @property

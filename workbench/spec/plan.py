@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from workbench.spec.cluster import Cluster
 from workbench.spec.errors import ConfigError, check_choice, check_int, require
+from workbench.spec.fields import check_types, from_mapping
 from workbench.spec.schedules import SCHEDULES, V_SCHEDULES
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -31,6 +32,8 @@ COMPOSITE_DIMS: dict[str, tuple[str, ...]] = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 GROUP_DIMS = MESH_DIMS + ("ep",) + tuple(COMPOSITE_DIMS)
+MAX_DEGREE = 1 << 20  # a million ranks in one dimension: beyond any cluster
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # Short names a plan may be written with ("tp=8,pp=4,schedule=gpipe,zero=1") and the fields they set.
 PLAN_ALIASES = {"dp": "dp_shard", "schedule": "pp_schedule", "v": "virtual_stages", "zero": "zero_stage"}
 
@@ -61,21 +64,25 @@ class ParallelPlan:
     stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        check_types(self)
         for f in ("dp_replicate", "tp", "pp", "cp", "ep", "virtual_stages"):
-            check_int(f, getattr(self, f))
+            check_int(f, getattr(self, f), maximum=MAX_DEGREE)
         if self.dp_shard != -1:
-            check_int("dp_shard", self.dp_shard)
+            check_int("dp_shard", self.dp_shard, maximum=MAX_DEGREE)
         check_choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
         check_choice("pp_schedule", self.pp_schedule, SCHEDULES)
         if self.stage_layers is not None:
-            object.__setattr__(self, "stage_layers", tuple(int(x) for x in self.stage_layers))
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
 
     # ------------------------------------------------------------------ parsing and JSON
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> "ParallelPlan":
         """``"dp_shard=2,tp=2,pp_schedule=gpipe"`` -> ParallelPlan (``dp`` is an alias of dp_shard)."""
+        if not isinstance(text, str):
+            raise ConfigError(f"plan={text!r} must be a string like 'tp=8,pp=4'", field="plan", value=text)
         kw: dict[str, Any] = dict(defaults)
         names = {f.name: f for f in fields(cls)}
+        given: set[str] = set()
         for part in filter(None, (p.strip() for p in text.split(","))):
             if "=" not in part:
                 raise ConfigError(f"plan item {part!r} is not of the form name=value", field="plan", value=text)
@@ -87,15 +94,22 @@ class ParallelPlan:
                     field="plan",
                     value=key,
                 )
+            if key in given:
+                raise ConfigError(f"plan gives {key} twice", field=key, value=text)
+            given.add(key)
             if key in ("sequence_parallel", "loss_parallel"):
-                kw[key] = value.lower() in ("1", "true", "yes", "on")
+                if value.lower() not in _TRUE + _FALSE:
+                    raise ConfigError(f"{key}={value!r} must be one of {', '.join(_TRUE + _FALSE)}", field=key,
+                                      value=value)
+                kw[key] = value.lower() in _TRUE
             elif key == "pp_schedule":
                 kw[key] = value
             else:
-                try:
-                    kw[key] = int(value)
-                except ValueError:
-                    raise ConfigError(f"{key}={value!r} must be an integer", field=key, value=value) from None
+                # int() would take "８" (full-width) and "1_000": a degree is written in ASCII digits
+                digits = value[1:] if value[:1] == "-" else value
+                if not (digits.isascii() and digits.isdigit()):
+                    raise ConfigError(f"{key}={value!r} must be an integer", field=key, value=value)
+                kw[key] = int(value)
         return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,10 +119,7 @@ class ParallelPlan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ParallelPlan":
-        d = dict(data)
-        if d.get("stage_layers") is not None:
-            d["stage_layers"] = tuple(d["stage_layers"])
-        return cls(**d)
+        return from_mapping(cls, data, "plan")
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

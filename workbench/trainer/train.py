@@ -21,6 +21,14 @@ data then give bit-identical losses across runs. Limits: only for the same layou
 library versions; ops without a deterministic kernel raise instead of running. Cost: typically a
 few percent on GPU (deterministic scatter/index_add kernels, no cuBLAS split-K autotuning); none
 on CPU.
+
+How a rank ends (its last event, run_end, with ``step`` = the next step to run, i.e. the steps
+completed, whatever the status): "ok"; "stopped" (a guard fired: the ``guard`` event before it says
+which and why, and rank 0 prints that line on stderr); "error" (it raised: an ``error`` event, one
+line on stderr); "interrupted" (SIGTERM: from the launcher, from torchrun stopping the job, or the
+parent-death signal when torchrun itself was killed: lifeline.py). A rank with no run_end was
+killed outright (SIGKILL, the OOM killer, a lost node; or, in the rare case that its SIGTERM
+handler could not run for 10 s, lifeline.py's watchdog).
 """
 
 from __future__ import annotations
@@ -45,11 +53,13 @@ from workbench.spec.config import RunConfig
 from workbench.spec.trainable import check_trainable
 from workbench.rundir.events import Error, EventWriter, RunEnd, RunStart, Step
 from workbench.trainer.checkpoint import Checkpointer, note_restart, restart_count
+from workbench.trainer.console import say
 from workbench.trainer.context_parallel import shard_sequence
 from workbench.trainer.data import BatchLoader, load_tokens
 from workbench.trainer.expert_parallel import reduce_expert_grads
 from workbench.trainer.faults import Faults
 from workbench.trainer.instrument import make_instrument
+from workbench.trainer.lifeline import tie_to_parent, watch_parent
 from workbench.trainer.mesh import Meshes, build_meshes, check_mesh
 from workbench.trainer.parallelize import Parallelized, parallelize
 from workbench.trainer.pipeline import PipelineSchedule, build_schedule, build_stages, holds_first, holds_last
@@ -348,18 +358,23 @@ class Losses(list):
 
 
 def run_training(config: RunConfig, writer: EventWriter | None = None, steps: int | None = None,
-                 run_dir: str | Path | None = None, resume: bool = False) -> Losses:
+                 run_dir: str | Path | None = None, resume: bool = False, losses: Losses | None = None) -> Losses:
     """Train ``config`` in this process (one rank of an initialised job, or alone when the world
     size is 1); emit events to ``writer``; return the per-step losses. ``steps``: how many to run
     (default: up to ``config.train.steps``). With ``run_dir``, checkpoint into
-    ``<run_dir>/checkpoints`` and, with ``resume``, first load the latest good one (checkpoint.py)."""
+    ``<run_dir>/checkpoints`` and, with ``resume``, first load the latest good one (checkpoint.py).
+    ``losses``: the object to fill and return; its ``final_step`` is kept current as the run goes,
+    so a caller that sees this function raise still knows the last step completed."""
+    losses = Losses() if losses is None else losses
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != config.world_size:
         raise RuntimeError(f"the job has {world} processes but the config's world size is {config.world_size}")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     trainer = setup(config, rank, device)
-    checkpointer = _checkpointer(trainer, writer, run_dir, resume)
+    faults = Faults.from_env()  # the recovery drill's and the tests' fault injection (faults.py)
+    checkpointer = _checkpointer(trainer, writer, run_dir, resume, faults)
+    losses.final_step = trainer.step  # > 0 after a resume
     if writer is not None:
         n_local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainer.params)
         writer.emit(RunStart(world_size=world, mesh=dict(config.plan.mesh_dims()),
@@ -368,13 +383,12 @@ def run_training(config: RunConfig, writer: EventWriter | None = None, steps: in
                              n_params=config.model.n_params(), n_local_params=n_local, steps=config.train.steps,
                              step=trainer.step))
     instrument = make_instrument(trainer, writer)  # None: instrumentation off, or nowhere to write
-    faults = Faults.from_env()  # the recovery drill's and the tests' fault injection (faults.py)
-    losses = Losses()
     for _ in range(steps if steps is not None else config.train.steps - trainer.step):
         faults.before_step(trainer)
         if instrument is not None:
             instrument.begin_step(trainer.step)
         metrics = train_step(trainer)
+        losses.final_step = trainer.step
         guard = instrument.end_step(metrics) if instrument is not None else None
         losses.append(metrics["loss"])
         if writer is not None:
@@ -383,22 +397,23 @@ def run_training(config: RunConfig, writer: EventWriter | None = None, steps: in
             checkpointer.after_step()
         if guard is not None:
             writer.emit(guard)  # a guard fired: stop cleanly (finish() below saves a final checkpoint)
+            if rank == 0:
+                say(f"[workbench] stopped by guard {guard.guard}: {guard.message}")
             losses.guard = guard
             break
     if instrument is not None:
         instrument.close()
     if checkpointer is not None:
         checkpointer.finish()
-    losses.final_step = trainer.step
     return losses
 
 
 def _checkpointer(trainer: Trainer, writer: EventWriter | None, run_dir: str | Path | None,
-                  resume: bool) -> Checkpointer | None:
+                  resume: bool, faults: Faults | None = None) -> Checkpointer | None:
     """Checkpoints need a run directory; resuming loads the latest good one into ``trainer``."""
     if run_dir is None:
         return None
-    checkpointer = Checkpointer(run_dir, trainer, writer)
+    checkpointer = Checkpointer(run_dir, trainer, writer, faults)
     if resume:
         checkpointer.resume()
     return checkpointer
@@ -447,12 +462,17 @@ def main(argv: list[str] | None = None) -> int:
     config_path = Path(argv[0])
     run_dir = config_path.parent
     rank = int(os.environ.get("RANK", "0"))
+    # A stop (the launcher's or torchrun's SIGTERM, or the parent-death signal when torchrun itself
+    # died) is an interruption, not an error: it ends the run with run_end "interrupted" at the last
+    # completed step, which a later resume reports as such.
+    signal.signal(signal.SIGTERM, _interrupt)
+    if not tie_to_parent(signal.SIGTERM):  # already armed by __main__ under torchrun; here for library callers
+        say(f"[workbench] rank {rank}: the process that started this rank has already exited; not starting")
+        return 1
+    watch_parent()
     writer = EventWriter(run_dir, rank)
     t_start = time.time()
-    step = 0
-    # A stop (the launcher's or torchrun's SIGTERM) is an interruption, not an error: it ends
-    # the run with run_end "interrupted", which a later resume reports as such.
-    signal.signal(signal.SIGTERM, _interrupt)
+    progress = Losses()  # run_training keeps progress.final_step current: the step an error ends at
     try:
         config = RunConfig.load(str(config_path))
         check_trainable(config)  # the launchers checked too; a hand-written config.json may not be
@@ -461,26 +481,27 @@ def main(argv: list[str] | None = None) -> int:
         if resume:
             note_restart(run_dir, rank, writer)  # before this attempt logs anything
         init_distributed()
-        losses = run_training(config, writer, run_dir=run_dir, resume=resume)
-        step = losses.final_step
+        losses = run_training(config, writer, run_dir=run_dir, resume=resume, losses=progress)
         status = "stopped" if losses.guard is not None else "ok"
-        writer.emit(RunEnd(status=status, step=step, elapsed_s=time.time() - t_start))
+        writer.emit(RunEnd(status=status, step=losses.final_step, elapsed_s=time.time() - t_start))
         writer.close()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
         return 0
     except BaseException as e:  # noqa: BLE001 - report everything, then die fast
-        message = f"rank {rank}: {type(e).__name__}: {e}"
+        # One line (stderr, the error event): the traceback goes into the event's own field.
+        first = next((line for line in str(e).splitlines() if line.strip()), "")
+        message = f"rank {rank}: {type(e).__name__}: {first}"
         interrupted = isinstance(e, KeyboardInterrupt) or _stop_follows(e)
         try:
             if not interrupted:
                 writer.emit(Error(error=message, traceback=traceback.format_exc()))
             writer.emit(RunEnd(status="interrupted" if interrupted else "error",
-                               step=step, elapsed_s=time.time() - t_start))
+                               step=progress.final_step, elapsed_s=time.time() - t_start))
             writer.close()
         finally:
-            print(f"[workbench] {message}", file=sys.stderr, flush=True)
+            say(f"[workbench] {message}")
             sys.stdout.flush()
             # Exit now, without tearing down the process group (that could wait on peers that are
             # blocked in a collective): torchrun sees the non-zero exit and stops the other ranks.
