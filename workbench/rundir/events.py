@@ -20,7 +20,6 @@ import math
 import os
 import re
 import reprlib
-import stat
 import sys
 import time
 import types
@@ -28,6 +27,8 @@ import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Mapping
+
+from workbench.spec.files import open_regular  # noqa: F401  (the one reader of user and run files; re-exported)
 
 COMMON_FIELDS = ("kind", "rank", "seq", "t")
 
@@ -536,23 +537,6 @@ def parse_line(line: bytes | str | None, rank: int | None = None) -> tuple[dict[
 def parse_event(line: bytes | str | None, rank: int | None = None) -> dict[str, Any] | None:
     """The well-typed event one line holds, or None (see :func:`parse_line` for why)."""
     return parse_line(line, rank)[0]
-
-
-def open_regular(path: str | os.PathLike) -> IO[bytes]:
-    """``path`` opened for binary reading if it is a regular file; OSError otherwise (a FIFO would
-    block its reader, a device never end, a directory is no file). Opened without blocking, then
-    checked on the open descriptor, so a swap after a check cannot slip past it."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            what = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
-                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file"
-            raise OSError(f"not a regular file ({what})")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def os_reason(e: OSError) -> str:

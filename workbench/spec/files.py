@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from typing import Any
+from typing import IO, Any
 
 from workbench.spec.errors import ConfigError
 
@@ -25,27 +25,50 @@ def _fail(field: str, path: Any, rule: str) -> ConfigError:
     return ConfigError(f"{field}={str(path)!r} {rule}", field=field, value=str(path))
 
 
+class NotRegularFile(OSError):
+    """``path`` exists but is a directory, a FIFO, a device or a socket."""
+
+
+def open_regular(path: str | os.PathLike) -> IO[bytes]:
+    """``path`` opened for binary reading if it is a regular file; OSError otherwise (a FIFO would
+    block its reader, a device never end, a directory is no file). Opened without blocking, then
+    checked on the open descriptor, so a swap after a check cannot slip past it."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file"
+            raise NotRegularFile(f"not a regular file ({what})")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_user_bytes(path: str | os.PathLike, field: str, max_bytes: int = CONFIG_MAX_BYTES) -> bytes:
     """The bytes of the regular file at ``path``; :class:`ConfigError` naming ``field`` when it
     does not exist, is not a regular file, cannot be read or is larger than ``max_bytes``."""
     try:
-        st = os.stat(path)
+        f = open_regular(path)
     except FileNotFoundError:
         raise _fail(field, path, "does not exist") from None
+    except IsADirectoryError:
+        raise _fail(field, path, "is a directory, not a file") from None
+    except NotRegularFile as err:
+        raise _fail(field, path, f"is {err}".replace("is not a regular file (a directory)",
+                                                      "is a directory, not a file")) from None
     except (OSError, ValueError) as err:  # ValueError: a NUL in the path
         raise _fail(field, path, f"cannot be read ({getattr(err, 'strerror', None) or err})") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise _fail(field, path, "is a directory, not a file")
-    if not stat.S_ISREG(st.st_mode):
-        raise _fail(field, path, "is not a regular file (a device, pipe or socket)")
-    if st.st_size > max_bytes:
-        raise _fail(field, path, f"is {st.st_size:,} bytes; at most {max_bytes:,} are read")
     try:
-        with open(path, "rb") as f:
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:  # refused without reading it
+                raise _fail(field, path, f"is {size:,} bytes; at most {max_bytes:,} are read")
             data = f.read(max_bytes + 1)
     except OSError as err:
         raise _fail(field, path, f"cannot be read ({err.strerror or err})") from None
-    if len(data) > max_bytes:  # it grew after stat
+    if len(data) > max_bytes:  # it grew after the check
         raise _fail(field, path, f"is larger than {max_bytes:,} bytes")
     return data
 
