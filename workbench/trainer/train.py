@@ -494,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
         first = next((line for line in str(e).splitlines() if line.strip()), "")
         message = f"rank {rank}: {type(e).__name__}: {first}"
         interrupted = isinstance(e, KeyboardInterrupt) or _stop_follows(e)
+        # The run is ending: a second stop signal (torchrun's SIGTERM after the launcher's, the
+        # parent-death signal when torchrun exits first) must not interrupt the run_end below.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         try:
             if not interrupted:
                 writer.emit(Error(error=message, traceback=traceback.format_exc()))
