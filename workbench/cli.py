@@ -33,15 +33,12 @@ from workbench.rundir.compare import compare_run
 from workbench.rundir.measured import load_measured
 from workbench.launch.benchmark import run_comms_benchmark
 from workbench.launch.local import STOP_TIMEOUT_S, config_from_cli, resume_local, train_local
-from workbench.launch.outcome import EXIT_CODES
+from workbench.launch.outcome import EXIT_BAD_INPUT, EXIT_CODES
 from workbench.launch.preflight import check_launch, check_run_id_free, load_config_file
 from workbench.bench import calibration_report, format_fit, run_compute_benchmark
 
 GiB = float(1 << 30)
 APP_MODULE = "widgets"  # `workbench serve` runs `python -m widgets` (widgets/__main__.py)
-
-
-EXIT_BAD_INPUT = 2  # a ConfigError, an unreadable file, a bad option: the one line says which
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
