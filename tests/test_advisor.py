@@ -1,10 +1,12 @@
 """The plan advisor and the cost of a run."""
 
 import math
+import time
+from dataclasses import replace
 
 import pytest
 
-from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
+from workbench import Cluster, ConfigError, ModelSpec, ParallelPlan, RunConfig, TrainSettings
 from workbench.predict import advisor
 from workbench.predict.advisor import advise
 from workbench.predict.cost import estimate_cost, optimal_checkpoint_interval
@@ -132,6 +134,242 @@ def test_a_broken_bound_falls_back_to_the_exhaustive_search(monkeypatch):
     with pytest.warns(RuntimeWarning, match="bound"):
         advice = advise(model, cluster, train, top=top)
     assert _answer(advice) == _answer(exhaustive) and advice.stats["pruned"] == 0
+
+
+def test_a_search_at_another_headroom_gives_the_exhaustive_answer():
+    model, cluster, train, top = SEARCHES["mixtral"]
+    pruned = advise(model, cluster, train, top=top, headroom=0.2)
+    exhaustive = advisor._advise(model, cluster, train, top=top, prune=False, headroom=0.2)
+    assert _answer(pruned) == _answer(exhaustive)
+    assert all(c.memory.peak_bytes <= 0.8 * c.memory.hbm_bytes for c in pruned)
+
+
+# ---------------------------------------------------------------------------- one batch, headroom, inputs
+LLAMA70, FOUR_NODES = ModelSpec.preset("llama3-70b"), Cluster.preset("dgx-h100", nodes=4)
+MEGATRON_4K = TrainSettings(seq_len=4096, global_batch_size=64).with_precision("bf16-megatron")
+
+
+def _every_candidate(model, cluster, train, headroom=advisor.DEFAULT_HEADROOM):
+    """Every plan the exhaustive search finds (not only the top): what the ranking compares."""
+    return advisor._search(advisor._Search(model, cluster, train, prune=False, headroom=headroom), 10)
+
+
+@pytest.mark.parametrize("gbs, expected", [(0, 2 * 32), (128, 128)])
+def test_every_candidate_trains_the_same_global_batch(gbs, expected):
+    """Auto (0) is fixed once before the search (2 sequences per GPU); a set batch is the user's.
+    Plans differ in micro-batch size and micro-batches per replica, never in the batch."""
+    train = replace(MEGATRON_4K, global_batch_size=gbs)
+    assert advisor.search_batch(FOUR_NODES, train) == expected
+    candidates = _every_candidate(LLAMA70, FOUR_NODES, train)
+    assert len(candidates) > 10
+    for c in candidates:
+        assert c.train.global_batch_size == expected, c.summary()
+        assert c.train.micro_batch_size * c.config.n_microbatches * c.plan.dp == expected
+        assert c.config.tokens_per_step == expected * 4096
+    assert len({c.train.micro_batch_size for c in candidates} | {c.config.n_microbatches for c in candidates}) > 1
+    advice = advise(LLAMA70, FOUR_NODES, train, top=5)
+    assert advice.global_batch_size == expected == advice.inputs.train.global_batch_size
+    assert advice.inputs.auto_batch is (gbs == 0)
+    assert all(c.train.global_batch_size == expected for c in advice)
+    assert f"global batch {expected} sequences" in advice.inputs.describe()
+    assert ("auto: 2 per GPU" in advice.inputs.describe()) is (gbs == 0)
+
+
+def test_headroom_is_left_free_on_llama3_70b_on_4_nodes():
+    """The default headroom: every candidate's peak <= (1 - h) x HBM; without headroom the best
+    plan would use 79.3 of 80 GiB (the reported defect)."""
+    h = advisor.DEFAULT_HEADROOM
+    assert 0.05 <= h <= 0.10
+    hbm = FOUR_NODES.gpu.hbm_bytes
+    candidates = _every_candidate(LLAMA70, FOUR_NODES, MEGATRON_4K)
+    assert candidates
+    for c in candidates:
+        assert c.memory.peak_bytes <= (1 - h) * hbm, c.summary()
+        assert c.headroom_bytes == hbm - c.memory.peak_bytes and c.headroom_fraction >= h
+    advice = advise(LLAMA70, FOUR_NODES, MEGATRON_4K, top=5)
+    assert advice.inputs.headroom == h
+    for c in advice:
+        assert c.memory.peak_bytes <= (1 - h) * hbm
+        assert f"at least {advisor.percent(h)} required" in "\n".join(c.explanation)
+    tight = advise(LLAMA70, FOUR_NODES, MEGATRON_4K, top=1, headroom=0.0)
+    assert tight[0].memory.peak_bytes > (1 - h) * hbm  # what the headroom rules out
+    assert tight[0].prediction.tokens_per_s >= advice[0].prediction.tokens_per_s
+    # the baseline is held to the same rule
+    assert "less 8% headroom" in advice.baseline.reason
+
+
+@pytest.mark.parametrize("bad", [-0.01, 0.5, 0.7, 1, 10**400, float("nan"), float("inf"), True, "0.1", None])
+def test_bad_headroom_is_a_config_error_naming_it(bad):
+    with pytest.raises(ConfigError) as err:
+        advise(ModelSpec.preset("tiny"), Cluster.preset("local-cpu"), TrainSettings(seq_len=64), headroom=bad)
+    assert err.value.field == "headroom"
+    assert f"headroom={bad!r}" in str(err.value) and "[0, 0.5)" in str(err.value)
+
+
+def test_explanations_compare_plans_at_the_same_batch(monkeypatch):
+    given = []
+    real = advisor.explain
+
+    def spy(c, others, baseline, cluster, headroom=advisor.DEFAULT_HEADROOM):
+        given.append((c, list(others), baseline))
+        return real(c, others, baseline, cluster, headroom)
+
+    monkeypatch.setattr(advisor, "explain", spy)
+    advice = advise(LLAMA70, FOUR_NODES, replace(MEGATRON_4K, global_batch_size=0), top=3)
+    assert len(given) == 3
+    for c, others, baseline in given:
+        assert {o.train.global_batch_size for o in others} == {c.train.global_batch_size} == {64}
+        assert baseline.config.train.global_batch_size == 64
+    text = "\n".join(line for c in advice for line in c.explanation)
+    assert "slower at the same batch" in text  # the alternatives were compared
+    assert "global batch 64 sequences (262,144 tokens) per step" in text
+    # words, not internal names
+    for internal in ("none recompute", "comm_", "dp_shard", "tp=", "pp=", "1f1b"):
+        assert internal not in text, internal
+
+
+def test_plan_words():
+    words = advisor.plan_words
+    assert words(ParallelPlan(dp_shard=1)) == "one GPU"
+    assert words(ParallelPlan(tp=8, pp=2, dp_shard=2, pp_schedule="zbv", virtual_stages=2, zero_stage=3)) == (
+        "tensor parallel 8 × pipeline 2 (zero-bubble V, 2 stages per GPU) × data parallel 2 (ZeRO-3)")
+    assert words(ParallelPlan(dp_shard=4, dp_replicate=2, zero_stage=1)) == (
+        "data parallel 8 (2 replicas of 4 sharded, ZeRO-1)")
+    assert words(ParallelPlan(cp=2, dp_shard=1, zero_stage=3)) == "context parallel 2 (ZeRO-3)"
+
+
+def test_advice_records_its_inputs_and_says_what_changed():
+    tiny, cpu = ModelSpec.preset("tiny"), Cluster.preset("local-cpu")
+    train = TrainSettings(seq_len=64)
+    advice = advise(tiny, cpu, train, top=2)
+    was = advice.inputs
+    assert (was.model, was.cluster, was.headroom) == (tiny, cpu, advisor.DEFAULT_HEADROOM)
+    assert was.train == replace(train, global_batch_size=advisor.search_batch(cpu, train))
+    same = advisor.AdviceInputs(tiny, cpu, replace(train, global_batch_size=was.global_batch_size), 0.08)
+    assert same == was  # an explicit batch equal to the resolved auto one: the same search
+    changes = {
+        "model": replace(was, model=ModelSpec.preset("tiny-moe")),
+        "nodes": replace(was, cluster=Cluster.preset("local-cpu", nodes=2)),
+        "cluster": replace(was, cluster=Cluster.preset("dgx-h100")),
+        "sequence length": replace(was, train=replace(was.train, seq_len=128)),
+        "global batch": replace(was, train=replace(was.train, global_batch_size=8)),
+        "precision": replace(was, train=was.train.with_precision("bf16-megatron")),
+        "framework": replace(was, train=replace(was.train, framework="megatron")),
+        "headroom": replace(was, headroom=0.1),
+    }
+    for what, other in changes.items():
+        assert other != was and was.differences(other) == [what], what
+
+
+def test_progress_is_reported_up_to_every_slot():
+    seen = []
+    advice = advise(ModelSpec.preset("llama3-8b"), Cluster.preset("dgx-h100", nodes=2), TRAIN, top=3,
+                    progress=lambda done, total: seen.append((done, total)))
+    assert advice and len(seen) >= 2
+    totals = {t for _, t in seen}
+    assert len(totals) == 1 and seen[-1] == (totals.pop(),) * 2
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    with pytest.raises(ConfigError, match="progress"):
+        advise(ModelSpec.preset("tiny"), Cluster.preset("local-cpu"), TrainSettings(seq_len=64), progress=3)
+
+
+# ---------------------------------------------------------------------------- the view (no browser)
+def _view_on(model: str, gbs: int):
+    from widgets.advisor_view import AdvisorView
+    from widgets.state import PlanState
+
+    state = PlanState()
+    state.apply(model=ModelSpec.preset(model), cluster="dgx-h100", nodes=1, seq_len=1024,
+                precision="bf16-megatron", global_batch_size=gbs)
+    view = AdvisorView(state, top=5)
+    view.panel()
+    view.search()
+    return state, view
+
+
+def test_stale_advice_is_put_away_and_cannot_be_applied():
+    state, view = _view_on("tiny-moe", 16)
+    assert view.advice and view._table.visible and not view.stale
+    state.model = ModelSpec.preset("tiny")
+    assert view.stale.startswith("These plans were computed for tiny-moe on 1 × 8 h100-80gb (dgx-h100), seq 1024, "
+                                 "global batch 16 sequences")
+    assert view.stale.endswith("the inputs changed (model): search again.")
+    assert not view._table.visible and 'data-testid="advisor-stale"' in view._status.object
+    plan_before = state.config.plan
+    with pytest.raises(ConfigError, match="search again") as err:
+        view.choose(0)
+    assert err.value.field == "advice" and state.config.plan == plan_before
+    view._table.selection = [0]  # a click that got through: ignored, with the line
+    assert state.config.plan == plan_before and "search again" in view._status.object
+    state.model = ModelSpec.preset("tiny-moe")  # the inputs it was computed for: the table is back
+    assert not view.stale and view._table.visible
+    view.headroom = 0.2
+    assert "(headroom)" in view.stale and view._headroom.value == 20
+    view._headroom.value = 8
+    assert view.headroom == 0.08 and not view.stale
+
+
+@pytest.mark.parametrize("gbs", [0, 32])
+def test_applying_a_plan_keeps_the_batch_and_the_rows_step_time(gbs):
+    from widgets.transforms import advice_rows
+
+    state, view = _view_on("llama3-8b", gbs)
+    rows = advice_rows(view.advice)
+    batch = view.advice.global_batch_size
+    assert batch == (gbs or 16) and {r["global batch"] for r in rows} == {batch}
+    assert all(r["headroom (%)"] >= 8 for r in rows) and all(r["recompute"].endswith("recompute") for r in rows)
+    for i, c in enumerate(view.advice):
+        view.choose(i)
+        assert not view.stale
+        assert state.config.train.global_batch_size == batch
+        assert predict_step(state.config).step_time_s == c.prediction.step_time_s
+        assert round(c.prediction.step_time_s * 1e3, 1) == rows[i]["step (ms)"]
+        if gbs:
+            assert state.global_batch_size == gbs  # never changed
+        else:  # auto stays auto where it resolves to the compared batch, else the compared batch is set
+            auto = RunConfig(c.config.model, c.config.cluster, c.plan, replace(c.train, global_batch_size=0))
+            want = 0 if auto.train.global_batch_size == batch else batch
+            assert state.global_batch_size == want
+            state.global_batch_size = 0  # the user's auto again
+            assert not view.stale  # the same batch: the same search
+
+
+def test_the_search_shows_its_progress_while_it_runs(monkeypatch):
+    """The worker writes the counter, the page's coroutine shows it; the button waits meanwhile."""
+    import asyncio
+    import threading
+
+    from widgets import advisor_view as AV
+
+    state = AV.PlanState()  # tiny on local-cpu: a search of a moment, held open here
+    view = AV.AdvisorView(state, top=5)
+    view.panel()
+    reported, release = threading.Event(), threading.Event()
+    real_run = AV.Search.run
+
+    def held_run(self, top=10, progress=None):
+        progress(3, 10)
+        reported.set()
+        release.wait(10)
+        return real_run(self, top, progress)
+
+    monkeypatch.setattr(AV.Search, "run", held_run)
+
+    async def story():
+        click = asyncio.ensure_future(view._on_click(None))
+        deadline = time.monotonic() + 10
+        while view._progress.value != 30 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        seen = (view._progress.visible, view._progress.value, str(view._progress_text.object), view._button.disabled)
+        release.set()
+        await click
+        return seen
+
+    visible, value, text, disabled = asyncio.run(story())
+    assert reported.is_set() and visible and value == 30 and disabled
+    assert "evaluated 3 of 10 plan slots" in text and 'data-testid="advisor-progress"' in text
+    assert not view._progress.visible and not view._button.disabled
+    assert view.advice and not view.stale
 
 
 # ---------------------------------------------------------------------------- cost

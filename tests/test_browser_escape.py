@@ -132,13 +132,15 @@ def test_hostile_strings_reach_every_view_as_text(tmp_path):
     assert_shown_as_text(roots, "advisor error")
     state.param.update(model=widgets.PlanState().model, model_error="")
 
-    # 6 Launch: a hostile plan, gateway URL, status with hostile hosts, states and reasons
+    # 6 Launch: a hostile model error (the tab launches the shared plan), gateway URL, status with
+    # hostile hosts, states and reasons
     launch = views["6 · Launch"]
-    launch.param.update(plan=IMG)
+    state.param.update(model=None, model_error=IMG)
     asyncio.run(launch._on_start())
     assert "launch-error" in launch._message.object
     assert_shown_as_text(roots, "launch plan")
-    launch.param.update(plan="pp=2", backend="gateway", url=SCRIPT)
+    state.param.update(model=widgets.PlanState().model, model_error="")
+    launch.param.update(backend="gateway", url=SCRIPT)
     asyncio.run(launch._on_start())
     assert_shown_as_text(roots, "gateway url")
     status = RunStatus(state=IMG, why=SCRIPT, nodes=(NodeStatus(0, IMG, "failed", SCRIPT, (0,)),),
@@ -163,7 +165,7 @@ def test_hostile_strings_reach_every_view_as_text(tmp_path):
          "actions": [["F", 0, 0, 0.0, 0.1], [IMG, 0, 0, 0.1, 0.2]]},
     ]
     live.update(events)
-    assert "live-errors" in live._headline.object
+    assert "live-errors" in live._headline.object and "failed" in live._headline.object
     assert_shown_as_text(roots, "live run events")
 
     # 8 Compare: a run directory that is no run, and a replay that fails, both with hostile names

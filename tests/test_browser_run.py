@@ -1,7 +1,7 @@
 """The run half of the app in a real headless Chromium (Debian's), driven by Playwright.
 
-One session launches a tiny local run from the browser (tiny model, pp=2: one kernel, two
-ranks), watches the loss curve and the measured pipeline bubble fill in, stops it, sees the
+One session plans a tiny run (tiny model, pp=2 in the Mesh tab: one kernel, two ranks), launches
+that plan from the Launch tab (the start and the resume show what they are doing, with seconds), watches the loss curve and the measured pipeline bubble fill in, stops it, sees the
 status say "stopped", resumes it from its checkpoint (the resume marked on the curves), stops it
 again, then finds it in Compare runs with its predicted-vs-measured table.
 Screenshots go to test-artifacts/screenshots/ (10-...).
@@ -62,9 +62,12 @@ def test_launch_watch_stop_compare_in_the_browser(tmp_path):
         page.goto(url)
         page.get_by_test_id("summary-peak").wait_for(timeout=60_000)
 
-        # 6: an invalid plan is refused with the field named, nothing starts
+        # 3 -> 6: an invalid plan is refused with the field named, nothing starts
+        tab(page, "3 · Mesh")
+        set_field(page, "pp", 2)
+        set_field(page, "tp", 3)
+        wait_until(page, "summary-status", lambda s: s == "invalid", timeout_s=20)
         tab(page, "6 · Launch")
-        set_field(page, "plan", "pp=2,tp=3")
         page.get_by_role("button", name="Start").click()
         msg = page.get_by_test_id("launch-error").locator("visible=true")
         msg.wait_for(timeout=20_000)
@@ -72,10 +75,19 @@ def test_launch_watch_stop_compare_in_the_browser(tmp_path):
         assert not any(tmp_path.iterdir())
         # a valid one: tiny, pp=2 (2 ranks on one node), 400 steps (stopped long before the end),
         # a checkpoint every 5 steps (to resume from)
-        set_field(page, "plan", "pp=2")
+        tab(page, "3 · Mesh")
+        set_field(page, "tp", 1)
+        wait_until(page, "summary-plan", lambda s: s == "pp=2 1f1b", timeout_s=20)
+        tab(page, "6 · Launch")
+        wait_until(page, "launch-plan", lambda s: s == "pp=2 1f1b", timeout_s=20)
         set_field(page, "steps", 400)
         set_field(page, "checkpoint every", 5)
         page.get_by_role("button", name="Start").click()
+        # the start shows what it is doing and for how long, until the ranks' first step
+        progress = wait_until(page, "launch-progress", lambda s: re.fullmatch(
+            r"(Starting 1 kernel for 2 ranks|Kernels started; waiting for the ranks' first step)… \d+ s", s),
+            timeout_s=30)
+        print(f"\nlaunch progress: {progress}")
         wait_until(page, "run-state", lambda s: s == "running", timeout_s=60)
         screenshot(page, "10-launch-running-status-per-rank")
         table = page.get_by_test_id("rank-status").locator("visible=true")
@@ -118,6 +130,9 @@ def test_launch_watch_stop_compare_in_the_browser(tmp_path):
         # resume from the latest checkpoint: the resume is marked on the curves, steps go on
         tab(page, "6 · Launch")
         page.get_by_role("button", name="Resume").click()
+        progress = wait_until(page, "launch-progress", lambda s: s.startswith("Resum") and s.endswith(" s"),
+                              timeout_s=30)
+        print(f"resume progress: {progress}")
         wait_until(page, "run-state", lambda s: s == "running", timeout_s=60)
         tab(page, "7 · Live run")
         marks = wait_until(page, "run-marks", lambda s: "resume at step" in s, timeout_s=60)

@@ -129,3 +129,26 @@ def test_train_refuses_what_the_trainer_cannot_run_before_starting(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.startswith(message), proc.stderr
     assert list(tmp_path.iterdir()) == []  # no run directory, no process
+
+
+def test_serve_passes_runs_to_the_app_and_refuses_a_non_directory(tmp_path, monkeypatch):
+    import workbench.cli as cli
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(cli.os, "execv", lambda exe, argv: started.append(argv))  # no server starts
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    result = CliRunner().invoke(main, ["serve", "--port", "5999", "--runs", str(runs)])
+    assert result.exit_code == 0, result.output
+    assert len(started) == 1 and started[0][1:3] == ["-m", "widgets"]
+    assert started[0][started[0].index("--runs") + 1] == str(runs)
+    # a name whose folder exists is made at the first launch; a file, or a missing folder, is refused
+    assert CliRunner().invoke(main, ["serve", "--runs", str(tmp_path / "new")]).exit_code == 0
+    not_a_dir = tmp_path / "runs.txt"
+    not_a_dir.write_text("")
+    for bad, why in ((not_a_dir, "is not a directory"), (tmp_path / "no" / "runs", "does not exist")):
+        result = CliRunner().invoke(main, ["serve", "--runs", str(bad)])
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: runs={str(bad)!r} {why}"), result.output
+    assert len(started) == 2  # the refused ones never reached the server

@@ -26,7 +26,8 @@ import pytest
 from dist import make_config as _make_config
 from dist import run_torchrun
 
-pytestmark = pytest.mark.multiprocess
+# The torchrun tests are marked multiprocess one by one: the derived-time tests at the end read
+# run directories written here, and start nothing.
 
 STEPS = 3
 # The bubble and every stage's action times are medians over the measured steps (after
@@ -118,6 +119,7 @@ def world_of(text: str) -> int:
     return next(w for w, layouts in JOBS.items() if text in layouts)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("text", COMPARE_4)
 def test_memory_and_collectives_match_the_planner(runs, text):
@@ -156,6 +158,7 @@ _OVERSUBSCRIBED = pytest.mark.xfail(reason="4 ranks on 2 shared CPU cores: measu
                                     strict=False)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("text", BUBBLES[2] + [pytest.param(t, marks=_OVERSUBSCRIBED) for t in BUBBLES[4]])
 def test_bubble_fraction_matches_the_schedule(runs, text):
@@ -167,3 +170,53 @@ def test_bubble_fraction_matches_the_schedule(runs, text):
           f"planner {cmp.row('pipeline', 'bubble fraction').predicted:.3f}")
     assert abs(replay.error) <= BUBBLE_POINTS, replay
 
+
+
+# ---------------------------------------------------------------------------- derived times
+# Run directories written from events (no processes): the numbers are known, so the derivation is.
+
+def _overlapping_dp_run(root):
+    """dp_shard=2 whose prefetching all-gathers (asynchronous, counted whole) take 150 ms of a
+    100 ms step: the residual "step less what is named" would be -50 ms."""
+    from workbench.launch.local import config_from_cli
+    from workbench.rundir import EventWriter, create_run_dir
+
+    config = config_from_cli("tiny", "dp_shard=2", 6)
+    path = create_run_dir(config, root, "overlap")
+    for r in range(2):
+        with EventWriter(path, r) as w:
+            for s in range(6):
+                t = 100.0 + s
+                w.emit(kind="step", step=s, loss=5.0, grad_norm=1.0, lr=1e-3, tokens=256, tokens_per_s=1.0,
+                       step_time_s=0.1, data_wait_s=0.002, t=t)
+                w.emit(kind="collectives", step=s, t=t, calls=[
+                    {"op": "all_gather", "dim": "dp_shard", "group": [0, 1], "n": 2, "bytes": 4096, "start": t - 0.1,
+                     "end": t - 0.1 + 0.075} for _ in range(2)])
+    return path
+
+
+def test_derived_times_are_never_negative_and_say_how(tmp_path):
+    from test_run_views import BUSY_S, P2P_S, STEP_S, WINDOW_S, write_stopped_run
+
+    from workbench.rundir.compare import compare_run, format_value
+
+    # pp=2: the residual double-counts the pipeline's sends (they run during the actions and the waits)
+    cmp = compare_run(write_stopped_run(tmp_path, resume=True))
+    bubble, comm = cmp.row("step time", "bubble"), cmp.row("step time", "comm_pp")
+    assert bubble.measured == pytest.approx(WINDOW_S - BUSY_S) and comm.measured == pytest.approx(2 * P2P_S)
+    assert STEP_S - bubble.measured - comm.measured < 0  # what the residual would have said
+    compute = cmp.row("step time", "compute")
+    assert compute.measured == pytest.approx(BUSY_S) and "pipeline actions" in compute.how
+    # no pipeline, calls overlapping compute: the residual, floored at 0, and a note says by how much
+    cmp = compare_run(_overlapping_dp_run(tmp_path))
+    compute = cmp.row("step time", "compute")
+    assert compute.measured == 0.0 and compute.how.startswith("derived:")
+    assert any("compute is shown as 0" in n and "52.00 ms" in n for n in cmp.notes), cmp.notes  # 150 + 2 - 100
+    for c in (cmp, compare_run(tmp_path / "stopped")):
+        for r in c.section("step time"):
+            assert r.measured is None or r.measured >= 0, r
+        text = c.format()
+        assert "derived: step - data wait" in text or "pipeline actions" in text
+        assert "(1) " in text  # the footnotes that say how
+        assert not any(format_value(r.measured, r.unit).startswith("-") and r.measured is not None
+                       for r in c.rows if r.unit == "s")

@@ -78,6 +78,110 @@ def run_dir(tmp_path_factory):
     return write_run(tmp_path_factory.mktemp("runs"))
 
 
+# ---------------------------------------------------------------------------- stopped, resumed, finished
+# Run directories as a user's Stop leaves them: pp=2 on 2 ranks; the Stop's SIGTERM ends rank 0
+# ("interrupted"), and rank 1, whose peer has gone, raises gloo's "Connection reset by peer" 2 s
+# later (it waited that long for its own signal) and ends "error". A resume then rejects the
+# newest checkpoint, loads the one before and runs to the end. Also used by
+# tests/test_browser_runs_views.py, which serves them.
+RESET = ("rank 1: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by "
+         "peer [127.0.0.1]:40417")
+STOP_STEPS, STOP_AT, CKPT_EVERY, REJECTED, RESUME_AT = 12, 7, 2, 6, 4  # steps, stopped after, ckpts, ...
+STEP_S, WINDOW_S, BUSY_S, P2P_S = 0.1, 0.09, 0.054, 0.04  # per step; p2p calls overlap the actions
+PP2 = config_from_cli("tiny", "pp=2", STOP_STEPS)
+DP2 = config_from_cli("tiny", "dp_shard=2", 10)
+
+
+def _steps(w, first: int, last: int, t0: float, pp: bool = True) -> float:
+    """Steps first..last-1 on writer ``w`` from time t0; returns the time after them."""
+    r = w.rank
+    t = t0
+    for s in range(first, last):
+        t = t0 + (s - first + 1) * 0.2
+        w.emit(kind="step", step=s, loss=5.5 - 0.1 * s, grad_norm=2.0 - 0.05 * s, lr=1e-3, tokens=256,
+               tokens_per_s=2000.0 + s, step_time_s=STEP_S, mfu=0.01, t=t)
+        if pp:
+            a = t - STEP_S + 0.005 + 0.01 * r
+            w.emit(kind="pipeline", step=s, pp_rank=r, window=[t - STEP_S, t - STEP_S + WINDOW_S], busy_s=BUSY_S,
+                   bubble_fraction=1 - BUSY_S / WINDOW_S, actions=[["F", r, 0, a, a + 0.018], ["B", r, 0, a + 0.03, a + 0.066]],
+                   t=t)
+            w.emit(kind="collectives", step=s, t=t, calls=[
+                {"op": "send_recv", "dim": "pp", "group": [0, 1], "n": 2, "bytes": 65536, "dir": d,
+                 "start": t - STEP_S, "end": t - STEP_S + P2P_S} for d in ("send", "send")])
+        w.emit(kind="memory", step=s, parameters=1000, gradients=1000, optimizer=2000, activations=500, t=t)
+    return t
+
+
+def _checkpoint(writers, step: int, t: float) -> None:
+    path = f"checkpoints/step-{step}"
+    for w in writers:
+        w.emit(kind="checkpoint", phase="written", step=step, path=path + ".tmp", bytes=1000, duration_s=0.01, t=t)
+    writers[0].emit(kind="checkpoint", phase="committed", step=step, path=path, bytes=2500, duration_s=0.002, t=t)
+    writers[0].emit(kind="checkpoint", phase="verified", step=step, path=path, bytes=2500, duration_s=0.001, t=t)
+
+
+def _start(writers, config, step: int, t: float) -> None:
+    for w in writers:
+        w.emit(kind="run_start", world_size=config.world_size, mesh={"pp": config.plan.pp}, coords={}, device="cpu",
+               backend="gloo", n_params=1, n_local_params=1, steps=config.train.steps, step=step, t=t)
+
+
+def write_stopped_run(root, run_id: str = "stopped", resume: bool = False):
+    """The Stop above (and, with ``resume``, the resume to the end); returns the run directory."""
+    path = create_run_dir(PP2, root, run_id)
+    writers = [EventWriter(path, r) for r in range(2)]
+    t = 1_700_000_000.0
+    _start(writers, PP2, 0, t)
+    for s in range(0, STOP_AT, CKPT_EVERY):  # steps in chunks, a checkpoint after each full chunk
+        end = min(s + CKPT_EVERY, STOP_AT)
+        for w in writers:
+            t_end = _steps(w, s, end, t)
+        t = t_end
+        if end % CKPT_EVERY == 0:
+            _checkpoint(writers, end, t)
+    writers[0].emit(kind="run_end", status="interrupted", step=STOP_AT, elapsed_s=3.0, t=t + 0.1)
+    writers[1].emit(kind="error", error=RESET, traceback="Traceback ...", t=t + 2.1)
+    writers[1].emit(kind="run_end", status="error", step=STOP_AT, elapsed_s=5.0, t=t + 2.1)
+    if resume:
+        t += 30
+        writers[0].emit(kind="fault", cause="interrupted", attempt=0, last_step=STOP_AT - 1, detail="stopped by a signal",
+                        t=t)
+        writers[1].emit(kind="fault", cause="error", attempt=0, last_step=STOP_AT - 1, detail=RESET, t=t)
+        _start(writers, PP2, RESUME_AT, t)
+        writers[0].emit(kind="checkpoint_rejected", step=REJECTED, path=f"checkpoints/step-{REJECTED}",
+                        reason="hashes.json: __0_0.distcp has another sha256", fallback=f"checkpoints/step-{RESUME_AT}",
+                        t=t)
+        writers[0].emit(kind="checkpoint", phase="verified", step=RESUME_AT, path=f"checkpoints/step-{RESUME_AT}",
+                        bytes=2500, t=t)
+        for w in writers:
+            w.emit(kind="checkpoint", phase="loaded", step=RESUME_AT, path=f"checkpoints/step-{RESUME_AT}", bytes=1000,
+                   duration_s=0.01, t=t)
+            w.emit(kind="resume", step=RESUME_AT, path=f"checkpoints/step-{RESUME_AT}", t=t)
+        for s in range(RESUME_AT, STOP_STEPS, CKPT_EVERY):
+            for w in writers:
+                t_end = _steps(w, s, s + CKPT_EVERY, t)
+            t = t_end
+            _checkpoint(writers, s + CKPT_EVERY, t)
+        for w in writers:
+            w.emit(kind="run_end", status="ok", step=STOP_STEPS, elapsed_s=9.0, t=t + 0.1)
+    for w in writers:
+        w.close()
+    return path
+
+
+def write_finished_run(root, run_id: str = "finished", steps: int = 10):
+    """A run without a pipeline (dp_shard=2) that finished all its steps."""
+    path = create_run_dir(DP2, root, run_id)
+    writers = [EventWriter(path, r) for r in range(2)]
+    t = 1_700_100_000.0
+    _start(writers, DP2, 0, t)
+    for w in writers:
+        t_end = _steps(w, 0, steps, t, pp=False)
+        w.emit(kind="run_end", status="ok", step=steps, elapsed_s=2.0, t=t_end + 0.1)
+        w.close()
+    return path
+
+
 def test_tail_reads_only_new_whole_lines(tmp_path):
     path = create_run_dir(CONFIG, tmp_path, "t")
     tail = EventTail(path)
@@ -105,7 +209,6 @@ def test_digest_matches_the_events_and_is_fast(run_dir):
     digest = rt.RunDigest(config=CONFIG)
     curves = {k: [] for k in ("step", "loss", "mfu")}
     steps = {k: [] for k in ("step", "p50", "p95", "max", "slowest")}
-    marks = []
     t0 = time.perf_counter()
     for i in range(0, len(events), 400):  # the live view's batches
         out = digest.add(events[i:i + 400])
@@ -113,7 +216,7 @@ def test_digest_matches_the_events_and_is_fast(run_dir):
             curves[k] += out["curves"][k]
         for k in steps:
             steps[k] += out["step_times"][k]
-        marks += out["markers"]["label"]
+    marks = digest.marks()["label"]
     fold_s = time.perf_counter() - t0
     print(f"\n{len(events)} events: read {read_s * 1e3:.0f} ms, folded in {fold_s * 1e3:.0f} ms")
     assert read_s < 2.0 and fold_s < 2.0
@@ -298,3 +401,175 @@ def test_each_app_session_has_its_own_runs():
     assert sa is not sb
     assert a.views["6 · Launch"].session is sa and a.views["7 · Live run"].session is sa
     assert b.views["8 · Compare"].session is sb
+
+
+# ---------------------------------------------------------------------------- stops, failures, resets
+def _ev(rank: int, seq: int, kind: str, t: float, **fields):
+    if kind == "step":
+        fields = {"loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens": 1, "tokens_per_s": 1.0, "step_time_s": 0.1,
+                  **fields}
+    return {"kind": kind, "rank": rank, "seq": seq, "t": t, **fields}
+
+
+def test_a_stop_with_a_peers_connection_reset_is_a_stop_not_a_failure(tmp_path):
+    from workbench.rundir import read_events
+    from workbench.rundir.compare import compare_run
+    from workbench.rundir.status import run_outcome
+
+    path = write_stopped_run(tmp_path)
+    events = read_events(path)
+    out = run_outcome(events, 2)
+    assert (out.state, out.step) == ("stopped", STOP_AT)
+    assert [(r.rank, r.state) for r in out.ranks] == [(0, "stopped"), (1, "stopped")]
+    assert "Connection reset by peer" in out.ranks[1].why and "stopped rank" in out.ranks[1].why
+    assert [(e.rank, e.role, e.step) for e in out.errors] == [(1, "stop", STOP_AT)] and out.failures == []
+    marks = rt.markers(events, 2)
+    assert marks["kind"] == ["stop"] and marks["step"] == [STOP_AT]
+    # the live view's digest, fed a few events at a time, keeps only what decides this, and agrees
+    digest = rt.RunDigest(config=PP2)
+    for i in range(0, len(events), 7):
+        digest.add(events[i:i + 7])
+    assert digest.outcome() == out and digest.marks() == marks and digest.failures() == []
+    assert len(digest.tracker.events) < 20 < len(events)
+    # compare says the same, in its header line and its notes
+    cmp = compare_run(path)
+    assert cmp.outcome.startswith(f"stopped at step {STOP_AT}")
+    assert cmp.format().splitlines()[1].startswith("run: stopped at step 7")
+    assert any("raised by a stop" in n for n in cmp.notes)
+    # the launcher's status table: the driver saw rank 1 fail; the run directory says it stopped
+    from workbench.launch.handle import NodeStatus, RankStatus, RunStatus
+    status = RunStatus("stopped", "stopped by the user", (NodeStatus(0, "h", "stopped", "", (0, 1)),),
+                       (RankStatus(0, 0, "stopped", "interrupted", 6, 4.9, 30), RankStatus(1, 0, "failed", RESET, 6, 4.9, 30)))
+    rows = rt.status_rows(status, out)
+    assert [r["state"] for r in rows] == ["stopped", "stopped"] and "stopped rank" in rows[1]["why"]
+    assert [r["state"] for r in rt.status_rows(status)] == ["stopped", "failed"]  # without the outcome: as the driver saw
+
+
+def test_failures_stay_failures_around_a_stop():
+    from workbench.rundir.status import run_outcome
+
+    # a rank raised for itself; torchrun then stopped the other one, whose peer reset is that failure's echo
+    evs = [_ev(0, 0, "run_start", 0.0), _ev(0, 1, "step", 1.0, step=0), _ev(0, 2, "error", 2.5, error=RESET.replace("1", "0", 1)),
+           _ev(0, 3, "run_end", 2.5, status="error", step=1),
+           _ev(1, 0, "run_start", 0.0), _ev(1, 1, "error", 2.0, error="rank 1: RuntimeError: injected failure at step 1"),
+           _ev(1, 2, "run_end", 2.0, status="error", step=1)]
+    out = run_outcome(evs, 2)
+    assert out.state == "failed" and out.why == "rank 1: RuntimeError: injected failure at step 1"
+    assert [e.role for e in out.failures] == ["failure", "failure"]
+    # the connection went first (a lost network), and the stop came after it: a failure
+    evs = [_ev(1, 0, "run_start", 0.0), _ev(1, 1, "error", 1.0, error=RESET), _ev(1, 2, "run_end", 1.0, status="error"),
+           _ev(0, 0, "run_start", 0.0), _ev(0, 1, "run_end", 3.0, status="interrupted", step=1)]
+    assert run_outcome(evs, 2).state == "failed"
+    # a rank that says it was signalled is stopped, with or without a peer's run_end
+    evs = [_ev(0, 0, "run_start", 0.0), _ev(0, 1, "error", 1.0, error="rank 0: SignalException: got signal: 15"),
+           _ev(0, 2, "run_end", 1.0, status="error", step=3)]
+    assert run_outcome(evs, 1).describe().startswith("stopped at step 3")
+
+
+def test_an_earlier_attempts_failure_is_a_fault_once_the_run_went_on():
+    from workbench.rundir.status import run_outcome
+
+    boom = "rank 0: RuntimeError: injected failure at step 2"
+    evs = [_ev(0, 0, "run_start", 0.0), _ev(0, 1, "step", 1.0, step=0), _ev(0, 2, "error", 2.0, error=boom),
+           _ev(0, 3, "run_end", 2.0, status="error", step=1)]
+    assert rt.markers(evs, 1)["kind"] == ["error"]
+    evs += [_ev(0, 4, "fault", 5.0, cause="error", attempt=0, last_step=0, detail=boom),
+            _ev(0, 5, "run_start", 5.0, step=0), _ev(0, 6, "step", 6.0, step=0), _ev(0, 7, "step", 7.0, step=1),
+            _ev(0, 8, "run_end", 7.5, status="ok", step=2)]
+    out = run_outcome(evs, 1)
+    assert (out.state, out.attempts, out.failures) == ("finished", 2, [])
+    assert [e.role for e in out.errors] == ["earlier"]
+    m = rt.markers(evs, 1)
+    assert m["kind"] == ["fault"] and m["label"] == [f"fault of attempt 0 (error): {boom}"]
+    # the digest, fed in the live view's batches, drops the error once the next attempt starts
+    digest = rt.RunDigest()
+    digest.add(evs[:4])
+    assert digest.failures() == [boom] and digest.marks()["kind"] == ["error"]
+    out = digest.add(evs[4:])
+    assert digest.failures() == [] and out["markers"]["kind"] == ["fault"]
+
+
+def test_the_live_view_resets_per_run_and_follows_to_the_last_step(tmp_path):
+    import widgets
+
+    stopped, resumed = write_stopped_run(tmp_path), write_stopped_run(tmp_path, "resumed", resume=True)
+    write_finished_run(tmp_path)
+    state = widgets.PlanState()
+    session = widgets.session_of(state)
+    session.runs_root = str(tmp_path)
+    live = widgets.LiveView(state)
+    live.panel()
+
+    session.open(stopped)  # a replay: its events say how it stands
+    assert 'data-testid="live-state">stopped<' in live._headline.object
+    assert 'data-testid="live-errors">0<' in live._headline.object
+    assert live.mark_source.data["kind"] == ["stop"] and live.mark_source.data["step"] == [STOP_AT]
+    assert 'data-testid="live-ranks"' in live._ranks.object and "failed" not in live._ranks.object
+    assert live.checkpoint_sources["saved"].data["step"] == [2, 4, 6]
+
+    session.open(resumed)  # stopped, resumed, finished: no error left, checkpoints on the step axis
+    assert 'data-testid="live-state">finished<' in live._headline.object
+    assert 'data-testid="live-step">12 / 12<' in live._headline.object
+    assert live.curves.data["step"] == list(range(1, STOP_STEPS + 1))  # the lost steps 5..7 trimmed
+    assert live.step_source.data["step"] == list(range(1, STOP_STEPS + 1))  # and retaken after the resume
+    assert live.mark_source.data["kind"] == ["stop", "checkpoint_rejected", "resume"]
+    assert "error" not in live.mark_source.data["kind"]
+    timeline = {k: src.data["step"] for k, src in live.checkpoint_sources.items()}
+    assert timeline == {"saved": [2, 4, 6, 8, 10, 12], "committed": [2, 4, 6, 8, 10, 12],
+                        "verified": [2, 4, 6, 8, 10, 12], "loaded": [4], "rejected": [6], "failed": []}
+    assert live._pipeline_step == STOP_STEPS - 1 and 'data-testid="measured-step">12<' in live._pipe_note.object
+    assert (live.pipeline.schedule, live.pipeline.pp) == ("1f1b", 2)
+
+    session.open(tmp_path / "finished")  # no pipeline: nothing of the previous run's is left
+    assert live._pipeline_step is None and live._pipe_note.object == "" and live.pipeline.measured == []
+    assert "live-no-pipeline" in live._no_pipeline.object and not live.pipeline.panel().visible
+    assert all(not src.data["step"] for src in live.checkpoint_sources.values())
+    assert live.mark_source.data["step"] == [] and live._marks_pane.object == ""
+    assert 'data-testid="live-step">10 / 10<' in live._headline.object
+
+
+def test_the_measured_pipeline_shows_the_last_step_once_the_run_ends(tmp_path):
+    """A launched run: while it runs the Gantt chart refreshes every PIPELINE_REFRESH_S; the poll
+    after it ended draws its last step even when no event came with it."""
+    import types
+
+    import widgets
+
+    path = write_stopped_run(tmp_path, "live", resume=True)
+    events = EventTail(path).read()
+    state = widgets.PlanState()
+    session = widgets.session_of(state)
+    session.run_dir, session.config = str(path), PP2
+    live = widgets.LiveView(state)
+    live.reset()
+    running, finished = types.SimpleNamespace(state="running"), types.SimpleNamespace(state="finished")
+    cut = max(i for i, e in enumerate(events) if e["kind"] == "pipeline" and e["step"] == 8)
+    live.update(events[:cut + 1], running)
+    assert live._pipeline_step == 8
+    live.update(events[cut + 1:], running)  # within PIPELINE_REFRESH_S: not redrawn yet
+    assert live._pipeline_step == 8
+    live.update([], finished)  # the run ended: its last step, at once
+    assert live._pipeline_step == STOP_STEPS - 1
+    assert 'data-testid="measured-step">12<' in live._pipe_note.object
+
+
+def test_compare_draws_what_is_selected_and_a_resumed_run_once(tmp_path):
+    import widgets
+
+    write_stopped_run(tmp_path)
+    write_stopped_run(tmp_path, "resumed", resume=True)
+    state = widgets.PlanState()
+    widgets.session_of(state).runs_root = str(tmp_path)
+    compare = widgets.CompareView(state)
+    assert sorted(compare.refresh_runs()) == ["resumed", "stopped"]
+    compare.param.update(run_a="stopped", run_b="")  # A alone draws A
+    assert compare.sources[0].data["step"] == list(range(1, STOP_AT + 1)) and compare.sources[1].data["step"] == []
+    assert "compare-table-a" in compare._tables[0].object and compare._tables[1].object == ""
+    assert "run: stopped at step 7" in compare._tables[0].object and "how measured" in compare._tables[0].object
+    compare.run_b = "resumed"  # and B beside it: the lost attempt's steps 5..7 are not drawn twice
+    assert compare.sources[1].data["step"] == list(range(1, STOP_STEPS + 1))
+    assert compare.sources[1].data["y"][4] == pytest.approx(5.5 - 0.1 * 4)
+    assert compare.sources[0].data["step"] == list(range(1, STOP_AT + 1))
+    compare.run_a = ""  # B alone
+    assert compare.sources[0].data["step"] == [] and len(compare.sources[1].data["step"]) == STOP_STEPS
+    assert [i.label["value"] for i in compare.figure.legend.items] == ["A: (none)", "B: resumed"]

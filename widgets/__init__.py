@@ -3,7 +3,7 @@
 In a notebook::
 
     import widgets
-    widgets.extension()
+    widgets.extension()                     # inline resources: draws offline
     state = widgets.PlanState()             # shared by the views below
     widgets.ModelSketch(state)              # 1. the model
     widgets.MemoryView(state)               # 2. its memory bill
@@ -14,6 +14,7 @@ In a notebook::
     widgets.LiveView(state)                 # 7. the live run (and the measured pipeline)
     widgets.CompareView(state)              # 8. compare two runs, replay one
     widgets.BenchView(state)                # 9. measured bus bandwidth beside the planner's
+    widgets.PlanCompareView(state)          # 10. two planned configurations side by side
 
 ``widgets.create_app()`` composes them into one page and returns an :class:`App` (``.template``,
 the page; ``.state``, the PlanState behind it; ``.views``); ``widgets.serve()`` serves it (one
@@ -39,11 +40,12 @@ _HOMES = {
     "MeshView": "widgets.mesh_view",
     "ModelSketch": "widgets.model_view",
     "PipelineView": "widgets.pipeline_view",
+    "PlanCompareView": "widgets.plan_compare_view",
     "PlanState": "widgets.state",
     "RunSession": "widgets.run_session",
     "SECTIONS": "widgets.app",
     "create_app": "widgets.app",
-    "extension": "widgets.app",
+    "extension": "widgets.resources",
     "serve": "widgets.app",
     "session_of": "widgets.run_session",
 }
@@ -64,7 +66,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from widgets.advisor_view import AdvisorView
-    from widgets.app import SECTIONS, App, create_app, extension, serve
+    from widgets.app import SECTIONS, App, create_app, serve
     from widgets.bench_view import BenchView
     from widgets.compare_view import CompareView
     from widgets.launch_view import LaunchView
@@ -73,7 +75,9 @@ if TYPE_CHECKING:
     from widgets.mesh_view import MeshView
     from widgets.model_view import ModelSketch
     from widgets.pipeline_view import PipelineView
+    from widgets.plan_compare_view import PlanCompareView
     from widgets.run_session import RunSession, session_of
+    from widgets.resources import extension
     from widgets.state import PlanState
 
 __all__ = [
@@ -89,6 +93,7 @@ __all__ = [
     "MeshView",
     "ModelSketch",
     "PipelineView",
+    "PlanCompareView",
     "PlanState",
     "SECTIONS",
     "create_app",

@@ -23,25 +23,27 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-import holoviews as hv
 import panel as pn
 
-from workbench import ConfigError, RunConfig, estimate_memory, predict_step
+from workbench import ConfigError, RunConfig
 
 from widgets.advisor_view import AdvisorView
 from widgets.bench_view import BenchView
 from widgets.compare_view import CompareView
 from widgets.launch_view import LaunchView
 from widgets.live_view import LiveView
-from widgets.markup import Html
+from widgets.markup import Html, render
 from widgets.memory_view import MemoryView
 from widgets.mesh_view import MeshView
 from widgets.model_view import ModelSketch
 from widgets.pipeline_view import PipelineView
-from widgets.run_session import session_of
+from widgets.plan_compare_view import PlanCompareView
+from widgets.resources import OfflineFast, SYSTEM_FONT, extension, keep_stylesheets_local
+from widgets.run_session import check_runs_root, session_of
 from widgets.serve_auth import resolve_basic_auth
-from widgets.state import PlanState
-from widgets.transforms import band_text, format_bytes, format_count, format_rate, format_seconds
+from widgets.icons import icon
+from widgets.state import PlanState, prediction_of
+from widgets.transforms import band_text, format_bytes, format_count, recompute_words, step_headline
 from widgets.ui import card, cards, html_pane
 
 LOCAL_ADDRESSES = ("127.0.0.1", "localhost", "::1")
@@ -58,35 +60,34 @@ SECTIONS: list[tuple[str, Callable[[PlanState], pn.viewable.Viewer]]] = [
     ("7 · Live run", LiveView),
     ("8 · Compare", CompareView),
     ("9 · Bandwidth", BenchView),
+    ("10 · Compare plans", PlanCompareView),
 ]
 
 
-def extension() -> None:
-    """Load what the views need (call once in a notebook, before showing a view)."""
-    pn.extension("tabulator", notifications=False)
-    hv.extension("bokeh", logo=False)
-
-
-def summary_html(config: RunConfig | None, error: str, model_name: str) -> Html:
-    """The sidebar: what is being planned and its headline predictions."""
-    if config is None:
+def summary_html(config: "RunConfig | None", error: str, model_name: str) -> Html:
+    """The sidebar: what is being planned and its headline predictions, read from the plan's one
+    prediction (``state.prediction``; a RunConfig finds the one its state computed)."""
+    pred = prediction_of(config)
+    if pred is None:
         return cards([card("Configuration", "invalid", "summary-status", note=error, tone="bad")])
-    bill, pred = estimate_memory(config), predict_step(config)
-    fit = bill.fits()
-    c = config.cluster
+    config = pred.config
+    fit = pred.bill.fits()
+    head = step_headline(pred.step)
+    c, train = config.cluster, config.train
     return cards([
         card("Model", model_name or "custom", "summary-model", note=f"{format_count(config.model.n_params())} parameters"),
         card("Cluster", f"{c.nodes} × {c.gpus_per_node} {c.gpu.name}", "summary-cluster", note=c.name),
         card("Plan", config.plan.describe(), "summary-plan",
-             note=f"mbs {config.train.micro_batch_size}, {config.n_microbatches} micro-batches, "
-                  f"{config.train.precision or 'custom'}"),
+             note=f"mbs {train.micro_batch_size}, {config.n_microbatches} micro-batches, "
+                  f"{train.precision or 'custom'}, {recompute_words(train.recompute)}"),
         card("Peak memory", format_bytes(fit.peak_bytes), "summary-peak",
              note=f"of {format_bytes(fit.hbm_bytes)}: " + ("fits" if fit.fits else "does NOT fit"),
              tone="good" if fit.fits else "bad"),
-        card("Step time", format_seconds(pred.step_time_s), "summary-step",
-             note=f"MFU {pred.mfu:.1%}, bubble {pred.bubble_fraction:.1%}"),
-        card("Throughput", format_rate(pred.tokens_per_s_per_gpu), "summary-tps", note="tokens/s per GPU"),
-        card("Framework", config.train.profile.name, "summary-framework", note=band_text(config.train.profile)),
+        card("Step time", head["step"], "summary-step",
+             note=render('MFU <span data-testid="summary-mfu">{}</span>, bubble '
+                         '<span data-testid="summary-bubble">{}</span>', head["mfu"], head["bubble"])),
+        card("Throughput", head["tokens_per_s_per_gpu"], "summary-tps", note="tokens/s per GPU"),
+        card("Framework", train.profile.name, "summary-framework", note=band_text(train.profile)),
     ])
 
 
@@ -103,6 +104,31 @@ class App:
         return self.template
 
 
+def plan_actions(views: dict[str, pn.viewable.Viewer], tabs: pn.Tabs) -> list[pn.viewable.Viewable]:
+    """The sidebar's buttons on the current plan: "Launch this plan" opens the Launch tab, which
+    shows that plan (and why it cannot run here, if it cannot); "Pin as plan A" pins it in the
+    plan comparison (change anything, then read A beside it there)."""
+    titles = list(views)
+
+    def index_of(kind: type) -> int | None:
+        return next((i for i, t in enumerate(titles) if isinstance(views[t], kind)), None)
+
+    out: list[pn.viewable.Viewable] = []
+    at_launch, at_compare = index_of(LaunchView), index_of(PlanCompareView)
+    if at_launch is not None:
+        go = pn.widgets.Button(label="Launch this plan", color="primary", icon=icon("launch"), width=260,
+                               margin=(4, 10))
+        go.on_click(lambda _e: setattr(tabs, "active", at_launch))
+        out.append(go)
+    if at_compare is not None:
+        compare = views[titles[at_compare]]
+        pin = pn.widgets.Button(label="Pin as plan A (10 · Compare plans)", color="primary", variant="outline",
+                                icon=icon("compare"), width=260, margin=(4, 10))
+        pin.on_click(lambda _e: compare.pin())
+        out.append(pin)
+    return out
+
+
 def create_app(state: PlanState | None = None) -> App:
     """A fresh page (and, unless given, a fresh :class:`PlanState`): one per browser session."""
     extension()
@@ -114,7 +140,7 @@ def create_app(state: PlanState | None = None) -> App:
                                 state.param.config, state.param.error, state.param.model))
     template = pn.template.FastListTemplate(
         title="workbench · plan a distributed training run",
-        sidebar=[pn.pane.Markdown("### Current plan", margin=(0, 10)), summary,
+        sidebar=[pn.pane.Markdown("### Current plan", margin=(0, 10)), summary, *plan_actions(views, tabs),
                  pn.pane.Markdown("Model, cluster, mesh and settings are shared by every tab; an advisor "
                                   "plan fills them all.", styles={"color": "#5a6570", "font-size": "12px"})],
         main=[tabs],
@@ -122,6 +148,9 @@ def create_app(state: PlanState | None = None) -> App:
         header_background=ACCENT,
         sidebar_width=300,
         theme_toggle=False,
+        design=OfflineFast,
+        font=SYSTEM_FONT,
+        font_url="",
     )
     if pn.state.curdoc is not None and pn.state.curdoc.session_context is not None:
         runs = session_of(state)  # the session's own runs end with it
@@ -163,6 +192,7 @@ def serve(port: int = 5006, address: str = "127.0.0.1", show: bool = False,
         opts["basic_auth"] = basic_auth
         opts["cookie_secret"] = kwargs.pop("cookie_secret", None) or secrets.token_hex(32)
     opts.update(kwargs)
+    keep_stylesheets_local()
     return pn.serve(
         {"/": session_page}, port=port, address=address, show=show, title="workbench",
         websocket_origin=_origins(address, port), **opts,
@@ -180,9 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--show", action="store_true")
     ap.add_argument("--runs", default=None, help="where launched runs go (default $WORKBENCH_RUNS or ./runs)")
     a = ap.parse_args(argv)
-    if a.runs:
-        os.environ["WORKBENCH_RUNS"] = a.runs  # read by every session's RunSession
     try:
+        if a.runs is not None:
+            check_runs_root(a.runs)
+            os.environ["WORKBENCH_RUNS"] = a.runs  # read by every session's RunSession
         serve(port=a.port, address=a.address, show=a.show, basic_auth=a.basic_auth)
     except ConfigError as err:  # one line and exit status 2, as every workbench command
         print(f"error: {err}", file=sys.stderr)

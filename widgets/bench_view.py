@@ -24,6 +24,7 @@ from widgets.run_session import RunSession, session_of
 from widgets.run_transforms import bandwidth_series
 from widgets.state import PlanState
 from widgets.transforms import PALETTE, format_bytes
+from widgets.icons import icon
 from widgets.ui import error_line, html_pane, table
 
 
@@ -70,7 +71,7 @@ class BenchView(pn.viewable.Viewer):
         self.series: list[dict[str, Any]] = []
         self._plot = pn.pane.Bokeh(bandwidth_figure([], self.op))
         self._table = html_pane("", sizing_mode="stretch_width")
-        self._refresh_btn = pn.widgets.Button(label="Refresh list", icon="refresh", margin=(22, 5, 0, 10))
+        self._refresh_btn = pn.widgets.Button(label="Refresh list", icon=icon("refresh"), margin=(22, 5, 0, 10))
         self._refresh_btn.on_click(lambda _e: self.refresh())
         self._layout = None
         self.refresh()

@@ -3,6 +3,11 @@ tables (:func:`workbench.rundir.compare.compare_run`) side by side; either one c
 replayed in the live view.
 
 Only directories under the app's runs root are offered (picked by name, never a typed path).
+What is selected is drawn, each run on its own: A alone draws A, B alone B, both draw both (B
+dashed, so that the same run picked twice still shows both). A resumed run's curve is the run as
+it stands: the steps its lost attempt ran past the checkpoint are left out, as in the live view.
+Each table says how its measured numbers are taken (the "how measured" column) and heads with
+how the run ended (:func:`workbench.rundir.status.run_outcome`).
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ from workbench.rundir.tail import list_runs
 
 from widgets.markup import Html, concat, render
 from widgets.run_session import RunSession, session_of
-from widgets.run_transforms import comparison_rows, step_rows
+from widgets.run_transforms import comparison_rows, run_step_rows
 from widgets.state import PlanState
+from widgets.icons import icon
 from widgets.ui import error_line, html_pane, muted, table
 
 COLORS = ("#0072B2", "#D55E00")
+DASHES = ("solid", "dashed")
+NONE = "(none)"  # the label of "no run" in the selectors
 
 
 def comparison_html(run_dir: Path, testid: str) -> Html:
@@ -35,10 +43,12 @@ def comparison_html(run_dir: Path, testid: str) -> Html:
     except Exception as err:  # noqa: BLE001 - an unfinished or foreign directory: say so
         return error_line(f"{run_dir.name}: {err}")
     rows = [[r["section"], r["name"] + (f" [rank {r['rank']}]" if r["rank"] is not None else ""), r["predicted"],
-             r["measured"], r["error"]] for r in comparison_rows(comp)]
+             r["measured"], r["error"], r["how"]] for r in comparison_rows(comp)]
     notes = concat(*(muted(f"note: {n}") for n in comp.notes))
     return (render("<b>{}</b> ({}, {} ranks)", run_dir.name, comp.config.plan.describe(), comp.config.world_size)
-            + table(["section", "quantity", "predicted", "measured", "error"], rows, testid=testid, numeric=(2, 3, 4))
+            + muted(f"run: {comp.outcome}", f"{testid}-outcome")
+            + table(["section", "quantity", "predicted", "measured", "error", "how measured"], rows, testid=testid,
+                    numeric=(2, 3, 4))
             + notes)
 
 
@@ -46,8 +56,8 @@ class CompareView(pn.viewable.Viewer):
     """Pick two runs under the runs root; overlay their curves; compare their tables."""
 
     state = param.ClassSelector(class_=PlanState)
-    run_a = param.Selector(default=None, objects=[], allow_None=True)
-    run_b = param.Selector(default=None, objects=[], allow_None=True)
+    run_a = param.Selector(default="", objects={NONE: ""})  # a run's name under the runs root; "": none
+    run_b = param.Selector(default="", objects={NONE: ""})
     metric = param.Selector(default="loss", objects=["loss", "tokens_per_s", "mfu", "grad_norm", "step_time_s"])
 
     def __init__(self, state: PlanState | None = None, session: RunSession | None = None, **params: Any):
@@ -56,12 +66,13 @@ class CompareView(pn.viewable.Viewer):
         self.sources = [ColumnDataSource(data={"step": [], "y": []}) for _ in COLORS]
         self.figure = figure(height=300, width=950, title="loss", toolbar_location=None, tools="", x_axis_label="step")
         self._lines = []
-        for src, color, name in zip(self.sources, COLORS, ("run A", "run B")):
-            self._lines.append(self.figure.line("step", "y", source=src, color=color, line_width=2, legend_label=name))
+        for src, color, dash, name in zip(self.sources, COLORS, DASHES, ("run A", "run B")):
+            self._lines.append(self.figure.line("step", "y", source=src, color=color, line_width=2, line_dash=dash,
+                                                legend_label=name, name=f"compare-{name[-1].lower()}"))
         self.figure.add_tools(HoverTool(tooltips=[("step", "@step"), ("value", "@y{0.0000}")]))
         self.figure.legend.location = "top_right"
         self._tables = [html_pane("", sizing_mode="stretch_width"), html_pane("", sizing_mode="stretch_width")]
-        self._refresh_btn = pn.widgets.Button(label="Refresh list", icon="refresh", margin=(22, 5, 0, 10))
+        self._refresh_btn = pn.widgets.Button(label="Refresh list", icon=icon("refresh"), margin=(22, 5, 0, 10))
         self._refresh_btn.on_click(lambda _e: self.refresh_runs())
         self._open = [pn.widgets.Button(label=f"Replay {n}", margin=(22, 5, 0, 5),
                                        description=f"Open run {n} in 7 · Live run") for n in "AB"]
@@ -69,38 +80,70 @@ class CompareView(pn.viewable.Viewer):
         self._open[1].on_click(lambda _e: self.replay(self.run_b))
         self._message = html_pane("")
         self._layout = None
+        self._refreshing = False
         self.refresh_runs()
 
     def refresh_runs(self) -> list[str]:
+        """List the runs under the runs root (newest first). A selection that is gone is cleared;
+        an empty one takes a default: A the second newest (the newest when there is one run), B
+        the newest, so that a fresh page compares the latest two. Returns the names."""
         names = list_runs(self.session.runs_root)
-        self.param.run_a.objects = names
-        self.param.run_b.objects = names
-        if self.run_a not in names:
-            self.run_a = names[1] if len(names) > 1 else (names[0] if names else None)
-        if self.run_b not in names:
-            self.run_b = names[0] if names else None
+        options = {NONE: "", **{n: n for n in names}}
+        a = self.run_a if self.run_a in names else ""
+        b = self.run_b if self.run_b in names else ""
+        if not a and not b and names:
+            a, b = (names[1], names[0]) if len(names) > 1 else (names[0], names[0])
+        self._refreshing = True  # drawn once below (a selection kept may have grown), not per change
+        try:
+            self.param.run_a.objects = options
+            self.param.run_b.objects = options
+            self.param.update(run_a=a, run_b=b)
+        finally:
+            self._refreshing = False
+        self.show()
         return names
 
     def _path(self, name: str) -> Path:
         return Path(self.session.runs_root) / name
 
-    @param.depends("run_a", "run_b", "metric", watch=True)
+    @param.depends("run_a", watch=True)
+    def _show_a(self) -> None:
+        if not self._refreshing:
+            self._draw(0)
+
+    @param.depends("run_b", watch=True)
+    def _show_b(self) -> None:
+        if not self._refreshing:
+            self._draw(1)
+
+    @param.depends("metric", watch=True)
     def show(self) -> None:
-        """Load both runs' curves and tables (whole files: a finished run is read once)."""
+        """Draw both selections (whole files: a finished run is read once)."""
+        for i in (0, 1):
+            self._draw(i)
+
+    def _draw(self, i: int) -> None:
+        """Run ``i`` (0: A, 1: B): its curve and its table, or nothing when none is selected."""
         self.figure.title.text = self.metric
-        for i, (name, src) in enumerate(zip((self.run_a, self.run_b), self.sources)):
-            if not name:
-                src.data = {"step": [], "y": []}
-                self._tables[i].object = ""
-                continue
-            path = self._path(name)
-            cols = step_rows(read_events(path))
-            src.data = {"step": cols["step"], "y": cols[self.metric]}
-            self._lines[i].name = name
-            self.figure.legend.items[i].label = {"value": f"{'AB'[i]}: {name}"}
-            self._tables[i].object = comparison_html(path, f"compare-table-{'ab'[i]}")
+        name = (self.run_a, self.run_b)[i]
+        letter = "AB"[i]
+        if not name:
+            self.sources[i].data = {"step": [], "y": []}
+            self.figure.legend.items[i].label = {"value": f"{letter}: {NONE}"}
+            self._tables[i].object = ""
+            return
+        path = self._path(name)
+        try:
+            cols = run_step_rows(read_events(path))
+        except OSError as err:  # removed since it was listed
+            cols = {"step": [], self.metric: []}
+            self._message.object = error_line(f"{name}: {err}")
+        self.sources[i].data = {"step": cols["step"], "y": cols[self.metric]}
+        self.figure.legend.items[i].label = {"value": f"{letter}: {name}"}
+        self._tables[i].object = comparison_html(path, f"compare-table-{letter.lower()}")
 
     def replay(self, name: str | None) -> None:
+        """Open run ``name`` in the live view (7 · Live run)."""
         if not name:
             return
         try:
@@ -112,7 +155,6 @@ class CompareView(pn.viewable.Viewer):
     def panel(self) -> pn.viewable.Viewable:
         if self._layout is None:
             p = self.param
-            self.show()
             self._layout = pn.Column(
                 pn.Row(pn.widgets.Select.from_param(p.run_a, label="run A", width=300),
                        pn.widgets.Select.from_param(p.run_b, label="run B", width=300),

@@ -19,10 +19,16 @@ from typing import Any, Iterable, Mapping, Sequence
 from workbench import RunConfig, estimate_memory
 from workbench.predict.comms import BUS_FACTOR, collective_time, group_shape
 from workbench.rundir.compare import Comparison, format_error, format_value
+from workbench.rundir.events import event_order
+from workbench.rundir.status import OutcomeTracker, RunOutcome, run_outcome
 
 Event = Mapping[str, Any]
 CURVES = ("loss", "tokens_per_s", "mfu", "grad_norm")
-MARK_KINDS = ("guard", "fault", "restart", "resume", "error", "checkpoint_rejected")
+# What is marked on the curves. "error": a failure of the run's last attempt; "stop": where an
+# attempt was stopped by a signal (the errors that stop raised are part of it, not errors);
+# "fault": how an earlier attempt ended, before a restart or resume (workbench.rundir.status).
+MARK_KINDS = ("guard", "stop", "fault", "restart", "resume", "error", "checkpoint_rejected")
+EVENT_MARKS = ("guard", "fault", "restart", "resume", "checkpoint_rejected")  # marked as they are
 MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer", "activations")
 
 
@@ -44,6 +50,29 @@ def step_rows(events: Iterable[Event], rank: int = 0) -> dict[str, list[Any]]:
     return cols
 
 
+def run_step_rows(events: Iterable[Event], rank: int = 0) -> dict[str, list[Any]]:
+    """:func:`step_rows` of the run as it stands: at each resume (to the checkpoint after ``k``
+    steps) the rows past step ``k`` that the lost attempt ran are dropped, so that a resumed run's
+    curve runs once through its steps, as the live view draws it."""
+    cols: dict[str, list[Any]] = {k: [] for k in ("step", *CURVES, "step_time_s")}
+    part: list[Event] = []
+
+    def flush() -> None:
+        for k, v in step_rows(part, rank).items():
+            cols[k].extend(v)
+        part.clear()
+
+    for e in events:
+        if e.get("kind") == "resume" and e.get("rank") == rank and isinstance(e.get("step"), int):
+            flush()
+            keep = [i for i, s in enumerate(cols["step"]) if s <= e["step"]]
+            for k in cols:
+                cols[k] = [cols[k][i] for i in keep]
+        part.append(e)
+    flush()
+    return cols
+
+
 def marker_label(e: Event) -> str:
     """One line for an event marked on the curves."""
     kind = e["kind"]
@@ -61,29 +90,59 @@ def marker_label(e: Event) -> str:
     return f"error on rank {e.get('rank')}: {e.get('error', '')}"
 
 
-def markers(events: Iterable[Event]) -> dict[str, list[Any]]:
-    """Guards, faults, restarts, resumes, errors and rejected checkpoints: columns ``step``
-    (the curves' x), ``kind``, ``label``, ``rank``. Events every rank writes (restart, resume)
-    are kept once, from the lowest rank that wrote them."""
-    cols: dict[str, list[Any]] = {"step": [], "kind": [], "label": [], "rank": []}
+def stop_label(step: int, echoes: Sequence[int]) -> str:
+    """The mark of a stopped attempt, naming the ranks whose lost connection was part of it."""
+    text = f"stopped at step {step} by a signal (Stop, Ctrl-C or a scheduler)"
+    if echoes:
+        who = ", ".join(str(r) for r in echoes)
+        text += f"; rank{'s' if len(echoes) > 1 else ''} {who} then lost the connection: part of the stop"
+    return text
+
+
+def markers(events: Iterable[Event], world_size: int | None = None,
+            outcome: RunOutcome | None = None) -> dict[str, list[Any]]:
+    """Every mark of the run so far, from its whole history (a later event can change what an
+    earlier one was: a stop explains a peer's error, a resume makes an attempt's failure a fault
+    of the past): columns ``step`` (the curves' x), ``kind`` (:data:`MARK_KINDS`), ``label``,
+    ``rank``, in time order. Errors are classified by :func:`workbench.rundir.status.run_outcome`
+    (``outcome``, when the caller has it): only the last attempt's failures are errors; each stop is
+    one "stop" mark; the faults a resume writes for a stopped attempt are that stop, not faults.
+    Events every rank writes (restart, resume, fault) are kept once, from the lowest rank."""
+    events = [e for e in events if isinstance(e, Mapping)]
+    if outcome is None:
+        outcome = run_outcome(events, world_size)
+    stopped = {s.attempt for s in outcome.stops}
+    found: list[tuple[float, int, str, str, Any]] = []  # (t, step, kind, label, rank)
+    for s in outcome.stops:
+        found.append((s.t, s.step, "stop", stop_label(s.step, s.echoes), s.ranks[0] if s.ranks else None))
+    faults = {(e.get("rank"), e.get("attempt")) for e in events if e.get("kind") == "fault"}
+    for m in outcome.errors:
+        if m.role == "failure":
+            found.append((m.t, m.step, "error", f"error on rank {m.rank}: {m.text}", m.rank))
+        elif m.role == "earlier" and (m.rank, m.attempt) not in faults:  # its fault event says it otherwise
+            found.append((m.t, m.step, "fault", f"error on rank {m.rank} in attempt {m.attempt} (recovered by the "
+                                                f"next attempt): {m.text}", m.rank))
     seen: set[tuple] = set()
-    for e in events:
+    for e in sorted(events, key=event_order):
         kind = e.get("kind")
-        if kind not in MARK_KINDS:
+        if kind not in EVENT_MARKS:
             continue
+        if kind == "fault" and e.get("attempt") in stopped and e.get("cause") in ("interrupted", "error"):
+            continue  # the stop's own mark says it
         step = e.get("step")
         if step is None:
             step = (e.get("last_step") or 0) if kind == "fault" else 0
         # every rank writes restarts, resumes and faults of one attempt: mark each once
-        key = (kind, step, e.get("attempt"), e.get("guard")) if kind != "error" else (kind, step, e.get("rank"))
+        key = (kind, step, e.get("attempt"), e.get("guard"))
         if key in seen:
             continue
         seen.add(key)
-        cols["step"].append(int(step) + (1 if kind in ("guard", "fault") else 0))
-        cols["kind"].append(kind)
-        cols["label"].append(marker_label(e))
-        cols["rank"].append(e.get("rank"))
-    return cols
+        t = e.get("t", 0.0)
+        found.append((t if isinstance(t, (int, float)) else 0.0, int(step) + (1 if kind in ("guard", "fault") else 0),
+                      kind, marker_label(e), e.get("rank")))
+    found.sort(key=lambda f: f[0])  # stable: events of one time keep their order
+    return {"step": [f[1] for f in found], "kind": [f[2] for f in found], "label": [f[3] for f in found],
+            "rank": [f[4] for f in found]}
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -275,6 +334,48 @@ def checkpoint_rows(events: Iterable[Event]) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: (r["t"], r["step"]))
 
 
+# The checkpoint timeline's kinds, in lane order, and the phases (or event kinds) each is drawn from:
+# "saved" when every rank's files are written, then committed (rank 0: hashes, marker, rename),
+# verified (checked after the commit, or before a load), loaded (on a resume), rejected (failed
+# its check on load) and failed (could not be written).
+TIMELINE_KINDS: dict[str, str] = {"saved": "written", "committed": "committed", "verified": "verified",
+                                  "loaded": "loaded", "rejected": "checkpoint_rejected", "failed": "failed"}
+
+
+def checkpoint_timeline(events: Iterable[Event]) -> dict[str, dict[str, list[Any]]]:
+    """Checkpoints on the curves' step axis: per kind of :data:`TIMELINE_KINDS`, columns ``step``
+    (the checkpoint's step: the state after that many steps, the curves' x), ``lane`` (the kind,
+    the timeline's row) and ``label`` (one line: bytes, duration, why for a rejection), one point
+    per checkpoint and kind (a verify after the save and another before a load are one point)."""
+    out: dict[str, dict[str, list[Any]]] = {k: {"step": [], "lane": [], "label": []} for k in TIMELINE_KINDS}
+    phase_kind = {v: k for k, v in TIMELINE_KINDS.items()}
+    for r in checkpoint_rows(events):
+        kind = phase_kind.get(r["phase"])
+        if kind is None or kind == "rejected":
+            continue
+        what = [f"{r['bytes']:,} B"] if r["bytes"] else []
+        if r["duration_s"]:
+            what.append(f"{r['duration_s']:.3f} s")
+        if kind == "saved":
+            what.append(f"{r['ranks']} rank{'s' if r['ranks'] != 1 else ''}")
+        _add_point(out[kind], r["step"], kind, f"step-{r['step']} {kind}" + (f" ({', '.join(what)})" if what else ""))
+    seen: set[int] = set()
+    for e in events:
+        if e.get("kind") == "checkpoint_rejected" and isinstance(e.get("step"), int) and e["step"] not in seen:
+            seen.add(e["step"])
+            then = f"; loaded {Path(str(e['fallback'])).name} instead" if e.get("fallback") else ""
+            _add_point(out["rejected"], e["step"], "rejected", f"step-{e['step']} rejected: {e.get('reason', '')}{then}")
+    return out
+
+
+def _add_point(cols: dict[str, list[Any]], step: int, lane: str, label: str) -> None:
+    if step in cols["step"]:
+        return
+    cols["step"].append(int(step))
+    cols["lane"].append(lane)
+    cols["label"].append(label)
+
+
 def step_time_rows(events: Iterable[Event]) -> dict[str, list[Any]]:
     """Per step, the distribution of per-rank step times: columns ``step`` (1-based), ``p50``,
     ``p95``, ``max``, ``min``, ``slowest`` (rank). From rank 0's ``step_stats`` when the trainer
@@ -325,6 +426,13 @@ class StepTimes:
                 self._done.add(s)
                 self._ready.append((s, ts, sorted(d)[max(range(len(ts)), key=ts.__getitem__)]))
 
+    def forget_from(self, step: int) -> None:
+        """A resume runs steps ``step``, ``step + 1``, ... (0-based) again: take them anew."""
+        self._done = {s for s in self._done if s < step}
+        self._ready = [r for r in self._ready if r[0] < step]
+        for s in [s for s in self._pending if s >= step]:
+            del self._pending[s]
+
     def take(self) -> dict[str, list[Any]]:
         cols: dict[str, list[Any]] = {k: [] for k in ("step", "p50", "p95", "max", "min", "slowest")}
         for step, ts, slowest in sorted(self._ready):
@@ -342,12 +450,27 @@ class StepTimes:
 # --------------------------------------------------------------------------- status
 
 
-def status_rows(status: Any) -> list[dict[str, Any]]:
-    """A RunStatus as table rows: one per rank with its node's host and state."""
+def status_rows(status: Any, outcome: RunOutcome | None = None) -> list[dict[str, Any]]:
+    """A RunStatus as table rows: one per rank with its node's host and state. With the run
+    directory's ``outcome`` (:func:`workbench.rundir.status.run_outcome`), a rank the driver saw
+    fail but whose error was part of a stop reads "stopped", with the outcome's why."""
     hosts = {n.node: n.host for n in status.nodes}
-    return [{"node": r.node, "host": hosts.get(r.node, ""), "rank": r.rank, "state": r.state,
-             "step": "" if r.step is None else r.step + 1, "loss": "" if r.loss is None else f"{r.loss:.4f}",
-             "events": r.events, "why": r.why} for r in status.ranks]
+    judged = {r.rank: r for r in outcome.ranks} if outcome is not None else {}
+    rows = []
+    for r in status.ranks:
+        state, why = r.state, r.why
+        o = judged.get(r.rank)
+        if o is not None and state == "failed" and o.state == "stopped":
+            state, why = o.state, o.why
+        rows.append({"node": r.node, "host": hosts.get(r.node, ""), "rank": r.rank, "state": state,
+                     "step": "" if r.step is None else r.step + 1, "loss": "" if r.loss is None else f"{r.loss:.4f}",
+                     "events": r.events, "why": why})
+    return rows
+
+
+def outcome_rows(outcome: RunOutcome) -> list[list[Any]]:
+    """The run directory's own status table: rank, state, steps completed, why."""
+    return [[r.rank, r.state, r.step, r.why] for r in outcome.ranks]
 
 
 # --------------------------------------------------------------------------- the running digest
@@ -356,25 +479,35 @@ def status_rows(status: Any) -> list[dict[str, Any]]:
 @dataclass
 class RunDigest:
     """Everything the live view shows, kept up to date from batches of new events. ``add``
-    returns the *new* curve rows (to stream into the plots); the rest is current state."""
+    returns the *new* curve and step-time rows (to stream into the plots), the steps a resume went
+    back to, and the marks when they changed (they are derived from the whole history: a later
+    event can change what an earlier one was); the rest is current state."""
 
     config: RunConfig | None = None
     events: int = 0
     last_step: int | None = None
     run_end: dict[int, str] = field(default_factory=dict)  # rank -> status
-    errors: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # every error line as written (see failures())
     comm: CommAccumulator = field(default_factory=CommAccumulator)
     step_times: StepTimes = field(default_factory=StepTimes)
+    tracker: OutcomeTracker = field(default_factory=OutcomeTracker)
     _memory: list[dict[str, Any]] = field(default_factory=list)
     _pipeline: dict[int, dict[int, Event]] = field(default_factory=lambda: defaultdict(dict))
     _pp_ranks: set[int] = field(default_factory=set)
     _experts: dict[int, tuple[list[list[int]], set[int]]] = field(default_factory=dict)
     _checkpoints: list[Event] = field(default_factory=list)
+    _marks: dict[str, list[Any]] | None = None
 
-    def add(self, events: Sequence[Event]) -> dict[str, dict[str, list[Any]]]:
+    def add(self, events: Sequence[Event]) -> dict[str, Any]:
+        """Fold a batch in. A batch holding a resume should begin with it (the live view splits
+        its batches there): the rows it returns are then all of the resumed attempt."""
         self.events += len(events)
         self.comm.add(events)
+        for e in events:
+            if e.get("kind") == "resume" and isinstance(e.get("step"), int):
+                self.step_times.forget_from(e["step"])
         self.step_times.add(events)
+        resumed: list[int] = []
         for e in events:
             kind = e.get("kind")
             if kind == "memory":
@@ -384,12 +517,14 @@ class RunDigest:
                 cur = self._pipeline[e["step"]].get(e["pp_rank"])
                 if cur is None or e["rank"] < cur["rank"]:
                     self._pipeline[e["step"]][e["pp_rank"]] = e
-            elif kind == "checkpoint":
+            elif kind in ("checkpoint", "checkpoint_rejected"):
                 self._checkpoints.append(e)
             elif kind == "run_end":
                 self.run_end[e["rank"]] = e.get("status", "")
             elif kind == "error":
                 self.errors.append(f"rank {e.get('rank')}: {e.get('error', '')}")
+            elif kind == "resume" and isinstance(e.get("step"), int):
+                resumed.append(e["step"])
             elif kind == "step" and e.get("rank") == 0:
                 self.last_step = int(e["step"]) + 1
         if len(self._memory) > 4 * 64:  # keep the latest per rank and each rank's peak activations
@@ -401,7 +536,29 @@ class RunDigest:
         if len(self._pipeline) > 8:  # keep the latest steps only
             for s in sorted(self._pipeline)[:-4]:
                 del self._pipeline[s]
-        return {"curves": step_rows(events), "markers": markers(events), "step_times": self.step_times.take()}
+        changed = self.tracker.add(events) or any(e.get("kind") == "checkpoint_rejected" for e in events)
+        if changed:
+            self._marks = None
+        return {"curves": step_rows(events), "step_times": self.step_times.take(), "resumed": resumed,
+                "markers": self.marks() if changed else None}
+
+    def outcome(self) -> RunOutcome:
+        """How the run stands (:func:`workbench.rundir.status.run_outcome`), from what was read."""
+        if self.config is not None and self.tracker.world_size is None:
+            self.tracker.world_size = self.config.world_size
+        return self.tracker.outcome()
+
+    def failures(self) -> list[str]:
+        """The run's errors: its last attempt's, less those a stop raised."""
+        return [f"rank {m.rank}: {m.text}" if not m.text.startswith(f"rank {m.rank}:") else m.text
+                for m in self.outcome().failures]
+
+    def marks(self) -> dict[str, list[Any]]:
+        """Every mark on the curves now (:func:`markers`)."""
+        if self._marks is None:
+            rejected = [e for e in self._checkpoints if e.get("kind") == "checkpoint_rejected"]
+            self._marks = markers(self.tracker.events + rejected, outcome=self.outcome())
+        return self._marks
 
     def pipeline(self) -> tuple[int | None, list[dict[str, Any]]]:
         events = [e for d in self._pipeline.values() for e in d.values()]
@@ -418,6 +575,9 @@ class RunDigest:
 
     def checkpoints(self) -> list[dict[str, Any]]:
         return checkpoint_rows(self._checkpoints)
+
+    def checkpoint_timeline(self) -> dict[str, dict[str, list[Any]]]:
+        return checkpoint_timeline(self._checkpoints)
 
 
 def _compact_memory(mem: list[Event]) -> list[Event]:
@@ -437,7 +597,8 @@ def comparison_rows(comparison: Comparison) -> list[dict[str, Any]]:
     """A :class:`workbench.rundir.compare.Comparison` as rows with formatted numbers."""
     # the CLI's formatters (Comparison.format), so the page and the terminal agree
     return [{"section": r.section, "name": r.name, "rank": r.rank, "predicted": format_value(r.predicted, r.unit),
-             "measured": format_value(r.measured, r.unit), "error": format_error(r)} for r in comparison.rows]
+             "measured": format_value(r.measured, r.unit), "error": format_error(r), "how": r.how}
+            for r in comparison.rows]
 
 
 def bandwidth_series(results: Any) -> list[dict[str, Any]]:

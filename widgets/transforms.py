@@ -9,7 +9,10 @@ view draws can be checked in a unit test without a browser:
   text and the field it names); framework profiles: :func:`parse_framework_profile`,
   :func:`profile_key`, :func:`band_text`;
 * memory bill: :func:`memory_bars`, :func:`memory_summary`, :func:`memory_axis`;
-* mesh: :func:`group_of_rank`, :func:`mesh_layout`, :func:`dim_traffic_rows`, :func:`tier_rows`;
+* mesh: :func:`group_of_rank`, :func:`mesh_layout`, and from a plan's prediction (one per
+  configuration, :class:`widgets.state.PlanPrediction`) :func:`group_traffic_rows`,
+  :func:`tier_rows`, :func:`overloaded_links`;
+* words for internal names: :func:`dim_words`, :func:`recompute_words`, :func:`tier_words`, ...;
 * advisor: :func:`advice_rows`, :func:`plan_settings`;
 * pipeline: :func:`gantt_rects`, :func:`bubble_fraction_of` (for simulated *and* measured
   actions: anything with ``rank, stage, microbatch, kind, start, end``).
@@ -36,8 +39,8 @@ from workbench.spec.config import build_run_config
 from workbench.spec.errors import check_int
 from workbench.spec.files import parse_json
 from workbench.spec.framework import FRAMEWORKS, FrameworkProfile
+from workbench.predict.advisor import RECOMPUTE_WORDS  # the advisor's words, one table of them
 from workbench.predict.perf import describe_step
-from workbench.predict.comms import link_traffic, traffic_by_dim
 from workbench.predict.memory import COMPONENTS, MemoryBill
 
 GiB = 1 << 30
@@ -61,6 +64,84 @@ KIND_COLORS = {"F": "#0072B2", "B": "#009E73", "I": "#E69F00", "W": "#CC79A7"}
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "backward (weight grad)"}
 TIER_LABELS = {"intra_node": "intra-node", "inter_node": "network", "inter_leaf": "spine"}
 COLOR_DIMS = ("tp", "pp", "dp", "cp", "ep", "dp_shard", "dp_replicate")
+TIER_ORDER = ("intra_node", "inter_node", "inter_leaf")  # fastest first
+
+
+# ---------------------------------------------------------------------------- words
+# The one place internal names become the words people read (tables, cards, notes, hovers).
+DIM_WORDS = {
+    "tp": "tensor parallel",
+    "pp": "pipeline parallel",
+    "cp": "context parallel",
+    "ep": "expert parallel",
+    "dp": "data parallel",
+    "dp_shard": "data parallel (sharded)",
+    "dp_replicate": "data parallel (replicated)",
+    "dp_shard_cp": "data parallel (sharded) × context",
+    "dp_cp": "data parallel × context",
+    "efsdp": "expert data parallel (sharded)",
+    "edp": "expert data parallel",
+}
+# short labels of the colour-by buttons: the plan's own abbreviations, with words for the two
+# data-parallel halves
+DIM_SHORT = {"dp_shard": "dp (sharded)", "dp_replicate": "dp (replicated)"}
+RECOMPUTE_CHOICES = {"no recompute": "none", "selective": "selective", "full": "full"}  # button label -> value
+ATTENTION_WORDS = {"flash": "flash attention (no scores kept)", "eager": "eager attention (scores and softmax kept)"}
+ATTENTION_CHOICES = {"flash": "flash", "eager": "eager"}
+# The recipe a GPU cluster trains in unless the user picks one: the CLI's default (bf16 weights,
+# fp32 main gradients, master weights and Adam states); CPUs train in fp32, as the CPU trainer does.
+GPU_PRECISION = "bf16-megatron"
+CPU_PRECISION = "fp32"
+
+
+def dim_words(dim: str) -> str:
+    """``dp_shard_cp`` -> ``data parallel (sharded) × context``; an unknown name as it is."""
+    return DIM_WORDS.get(dim, dim)
+
+
+def dim_short(dim: str) -> str:
+    """A colour-by button's label: ``tp``, ``pp``, ``dp (sharded)``."""
+    return DIM_SHORT.get(dim, dim)
+
+
+def recompute_words(mode: str) -> str:
+    """``none`` -> ``no recompute``, ``full`` -> ``full recompute``."""
+    return RECOMPUTE_WORDS.get(mode, f"{mode} recompute")
+
+
+def attention_words(kernel: str) -> str:
+    return ATTENTION_WORDS.get(kernel, f"{kernel} attention")
+
+
+def tier_words(tier: str) -> str:
+    """``inter_node`` -> ``network``."""
+    return TIER_LABELS.get(tier, tier)
+
+
+def component_words(component: str) -> str:
+    """A memory component: ``master_weights`` -> ``master weights``."""
+    return component.replace("_", " ")
+
+
+def kind_words(kind: str) -> str:
+    """A pipeline action: ``F`` -> ``forward``."""
+    return KIND_NAMES.get(kind, kind)
+
+
+def cluster_precision(cluster: str | Cluster) -> str:
+    """The precision recipe a cluster trains in when the user has not chosen one."""
+    c = cluster if isinstance(cluster, Cluster) else Cluster.preset(cluster)
+    return CPU_PRECISION if c.gpu.name == "cpu" else GPU_PRECISION
+
+
+def step_headline(step: Any) -> dict[str, str]:
+    """The step's headline numbers as every view shows them (one format, so they read the same)."""
+    return {
+        "step": format_seconds(step.step_time_s),
+        "bubble": f"{step.bubble_fraction:.1%}",
+        "mfu": f"{step.mfu:.1%}",
+        "tokens_per_s_per_gpu": format_rate(step.tokens_per_s_per_gpu),
+    }
 
 
 # ---------------------------------------------------------------------------- formatting
@@ -427,8 +508,9 @@ def mesh_layout(cluster: Cluster, plan: ParallelPlan, dim: str, nodes_per_row: i
         top = -row * row_h
         nodes.append({"node": n, "x0": x - NODE_HALF, "y0": top - gpn + 0.5, "x1": x + NODE_HALF, "y1": top + 0.5})
         if gpn > 1:
-            links.append({"x0": x, "y0": top, "x1": x, "y1": top - gpn + 1, "tier": "intra_node"})
-        links.append({"x0": x, "y0": top - gpn + 0.5, "x1": x, "y1": top - gpn - 0.6, "tier": "inter_node"})
+            links.append({"x0": x, "y0": top, "x1": x, "y1": top - gpn + 1, "tier": "intra_node", "node": n})
+        links.append({"x0": x, "y0": top - gpn + 0.5, "x1": x, "y1": top - gpn - 0.6, "tier": "inter_node",
+                      "node": n})
         for g in range(gpn):
             rank = n * gpn + g
             coords = plan.rank_coords(rank)
@@ -449,9 +531,9 @@ def mesh_layout(cluster: Cluster, plan: ParallelPlan, dim: str, nodes_per_row: i
         x = -NODE_HALF - 0.6
         tier = "inter_leaf" if cluster.nodes_per_leaf else "inter_node"
         ys = [s["y0"] + 0.175 for s in switches]
-        links.append({"x0": x, "y0": ys[0], "x1": x, "y1": ys[-1], "tier": tier})
+        links.append({"x0": x, "y0": ys[0], "x1": x, "y1": ys[-1], "tier": tier, "node": None})
         for s, y in zip(switches, ys):
-            links.append({"x0": x, "y0": y, "x1": s["x0"], "y1": y, "tier": tier})
+            links.append({"x0": x, "y0": y, "x1": s["x0"], "y1": y, "tier": tier, "node": None})
     width = (min(per_row, cluster.nodes) - 1) * NODE_PITCH + 2 * NODE_HALF
     return MeshLayout(
         gpus, nodes, links, switches, dim, len(members), width, n_rows * row_h,
@@ -465,48 +547,154 @@ def _short_list(ranks: Sequence[int], limit: int = 8) -> str:
     return ", ".join(map(str, ranks[: limit - 2])) + f", ... {ranks[-1]} ({len(ranks)} ranks)"
 
 
-def dim_traffic_rows(config: RunConfig) -> list[dict[str, Any]]:
-    """Predicted traffic per group dimension on the most loaded pipeline rank: group size, the
-    slowest tier it crosses, bytes this GPU sends per step, time and exposed time (seconds)."""
-    rows = []
-    for dim, t in traffic_by_dim(config).items():
-        rows.append({
-            "dim": dim, "group_size": t.group_size, "tier": t.tier, "calls": t.calls,
-            "wire_bytes": t.wire_bytes, "time_s": t.time_s, "exposed_time_s": t.exposed_time_s,
+# Group dimensions whose collectives sit inside a stage's forward and backward (predict_step's
+# in-stage dims): on a slow tier they are a bad mapping, and the mesh marks the links they load.
+IN_STAGE_DIMS = ("tp", "cp", "ep")
+
+
+def _tiers_of(c: Any) -> tuple[str, ...]:
+    return tuple(t for t, nbytes in c.wire_by_tier if nbytes > 0) or (c.tier,)
+
+
+def _part_label(tiers: Sequence[str]) -> str:
+    if len(tiers) == 1:
+        return tier_words(tiers[0])
+    return " + ".join(tier_words(t) for t in tiers) + " (hierarchical: one time for both)"
+
+
+def group_traffic_rows(prediction: Any) -> list[dict[str, Any]]:
+    """The prediction's traffic per group dimension, on the pipeline rank that sets the step
+    (``step.critical_pp_rank``): group size, slowest tier, calls, bytes this GPU sends, time, and
+    the exposed time the step breakdown charges (``breakdown["comm_<dim>"]``; None for the
+    pipeline sends, whose waits are inside the bubble).
+
+    ``parts`` splits each group by the tiers its calls run on: a flat call on one tier, a
+    hierarchical one (spanning nodes) on both at once, and the host's cost of issuing the calls
+    when the profile charges one. A group's calls, bytes and time are the sums of its parts'."""
+    per_call = prediction.per_call_s
+    breakdown = prediction.step.breakdown
+    rows: dict[str, dict[str, Any]] = {}
+    for c in prediction.collectives:
+        r = rows.setdefault(c.dim, {
+            "dim": c.dim, "words": dim_words(c.dim), "group_size": c.group_size, "tier": c.tier,
+            "calls": 0, "wire_bytes": 0.0, "time_s": 0.0, "parts": {},
         })
-    rows.sort(key=lambda r: -r["wire_bytes"])
-    return rows
+        if TIER_ORDER.index(c.tier) > TIER_ORDER.index(r["tier"]):
+            r["tier"] = c.tier
+        tiers = _tiers_of(c)
+        part = r["parts"].setdefault(tiers, {"tiers": tiers, "label": _part_label(tiers), "calls": 0,
+                                             "wire_bytes": 0.0, "time_s": 0.0})
+        for part_or_row in (part, r):
+            part_or_row["calls"] += c.count
+            part_or_row["wire_bytes"] += c.wire_bytes * c.count
+            part_or_row["time_s"] += c.total_time_s
+        if per_call:
+            host = r["parts"].setdefault(("host",), {"tiers": ("host",), "label": "issuing the calls (host)",
+                                                     "calls": 0, "wire_bytes": 0.0, "time_s": 0.0})
+            host["time_s"] += c.count * per_call
+            r["time_s"] += c.count * per_call
+    out = []
+    for r in rows.values():
+        r["parts"] = list(r["parts"].values())
+        r["exposed_time_s"] = None if r["dim"] == "pp" else breakdown.get(f"comm_{r['dim']}", 0.0)
+        out.append(r)
+    out.sort(key=lambda r: -r["wire_bytes"])
+    return out
 
 
-def tier_rows(config: RunConfig) -> list[dict[str, Any]]:
-    """Bytes one GPU sends per step on each link tier, the tier's bandwidth, and the time the
-    bytes take at that bandwidth (a lower bound: latency and overlap aside)."""
-    c = config.cluster
+def dim_traffic_rows(prediction: Any) -> list[dict[str, Any]]:
+    """:func:`group_traffic_rows` without the parts (one row per group dimension)."""
+    return [{k: v for k, v in r.items() if k != "parts"} for r in group_traffic_rows(prediction)]
+
+
+def tier_rows(prediction: Any) -> list[dict[str, Any]]:
+    """Bytes one GPU sends per step on each link tier (the prediction's collectives, hierarchical
+    ones split by tier), the tier's bandwidth, and the groups whose traffic it carries."""
+    c = prediction.config.cluster
+    by_tier: dict[str, dict[str, float]] = {t: {} for t in TIER_ORDER}
+    for coll in prediction.collectives:
+        for tier, nbytes in coll.wire_by_tier:
+            by_tier[tier][coll.dim] = by_tier[tier].get(coll.dim, 0.0) + nbytes * coll.count
     rows = []
-    for tier, nbytes in link_traffic(config).items():
+    for tier, dims in by_tier.items():
         if tier == "inter_leaf" and not c.nodes_per_leaf:
             continue
         link = c.link(tier)
         rows.append({
-            "tier": tier, "link": link.name, "bytes": nbytes,
+            "tier": tier, "link": link.name, "bytes": sum(dims.values()),
             "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
-            "time_s": nbytes / link.bandwidth_bytes_per_s,
+            "by_dim": dict(sorted(dims.items(), key=lambda kv: -kv[1])),
         })
     return rows
 
 
+def overloaded_links(layout: MeshLayout, prediction: Any) -> list[dict[str, Any]]:
+    """The drawn links a bad mapping overloads: every node's network link (and the spine) that
+    carries in-stage traffic (tensor, context or expert parallel collectives, :data:`IN_STAGE_DIMS`)
+    of a group spanning nodes, with the bytes per GPU and step the prediction puts there and the
+    time of the calls that cross it."""
+    config = prediction.config
+    loads: dict[str, dict[str, dict[str, float]]] = {}  # tier -> dim -> bytes, time
+    for c in prediction.collectives:
+        if c.dim not in IN_STAGE_DIMS:
+            continue
+        for tier, nbytes in c.wire_by_tier:
+            if tier == "intra_node" or nbytes <= 0:
+                continue
+            d = loads.setdefault(tier, {}).setdefault(c.dim, {"bytes": 0.0, "time_s": 0.0})
+            d["bytes"] += nbytes * c.count
+            d["time_s"] += c.total_time_s
+    if not loads:
+        return []
+    gpn = config.cluster.gpus_per_node
+    nodes_of: dict[str, set[int]] = {}
+    for dim in {d for per in loads.values() for d in per}:
+        spanning = set()
+        for g in config.plan.group_ranks(dim):
+            ns = {r // gpn for r in g}
+            if len(ns) > 1:
+                spanning |= ns
+        nodes_of[dim] = spanning
+    out = []
+    for link in layout.links:
+        per = loads.get(link["tier"])
+        if not per or (link.get("node") is None and link["tier"] != "inter_leaf"):
+            continue  # the line joining rows of one switch level carries no group of its own
+        dims = [d for d in per if link.get("node") is None or link["node"] in nodes_of[d]]
+        if not dims:
+            continue
+        nbytes = sum(per[d]["bytes"] for d in dims)
+        time_s = sum(per[d]["time_s"] for d in dims)
+        what = ", ".join(dim_words(d) for d in dims)
+        out.append({
+            **{k: link[k] for k in ("x0", "y0", "x1", "y1", "tier")},
+            "node": -1 if link.get("node") is None else link["node"], "tier_words": tier_words(link["tier"]),
+            "dims": ",".join(dims), "what": what, "bytes": nbytes, "time_s": time_s,
+            "sent": format_bytes(nbytes), "time": format_seconds(time_s),
+            "label": f"{'+'.join(d.upper() for d in dims)} {format_bytes(nbytes)} · {format_seconds(time_s)}",
+        })
+    return out
+
+
 # ---------------------------------------------------------------------------- the advisor
 def advice_rows(advice: Iterable[Any]) -> list[dict[str, Any]]:
-    """One table row per PlanCandidate (units: GiB, ms, %)."""
+    """One table row per PlanCandidate (units: GiB, ms, %), in words: the batch every plan trains
+    (``global batch``: the same on every row), how it is split (micro-batch size x micro-batches
+    per data-parallel replica), the recomputation ("no recompute"), the peak memory and the
+    headroom it leaves (GiB and % of HBM)."""
     rows = []
     for c in advice:
         p = c.prediction
         rows.append({
             "#": c.rank,
             "plan": c.plan.describe(),
-            "mbs": c.train.micro_batch_size,
-            "recompute": c.train.recompute,
+            "global batch": c.train.global_batch_size,
+            "micro-batch": c.train.micro_batch_size,
+            "micro-batches": c.config.n_microbatches,
+            "recompute": RECOMPUTE_WORDS.get(c.train.recompute, c.train.recompute),
             "memory (GiB)": round(c.memory.peak_bytes / GiB, 2),
+            "headroom (GiB)": round((c.memory.hbm_bytes - c.memory.peak_bytes) / GiB, 2),
+            "headroom (%)": round(100 * (c.memory.hbm_bytes - c.memory.peak_bytes) / c.memory.hbm_bytes, 1),
             "step (ms)": round(p.step_time_s * 1e3, 1),
             "tokens/s/GPU": round(p.tokens_per_s_per_gpu),
             "MFU (%)": round(100 * p.mfu, 1),
@@ -519,10 +707,22 @@ PLAN_KEYS = ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "zero_stage", "
 TRAIN_KEYS = ("micro_batch_size", "global_batch_size", "recompute", "seq_len")
 
 
-def plan_settings(candidate: Any) -> dict[str, Any]:
-    """The shared state's values that reproduce a candidate's plan and settings."""
+def plan_settings(candidate: Any, global_batch_size: int | None = None) -> dict[str, Any]:
+    """The shared state's values that reproduce a candidate's plan and settings.
+
+    ``global_batch_size``: the user's setting, which applying a plan keeps. The candidate was
+    predicted at the advisor's batch (the user's, or for 0 = auto the one the search fixed): 0
+    stays 0 where auto resolves this plan to that same batch; otherwise the advisor's batch is
+    set, so the step time after applying is the candidate's. None: the candidate's batch."""
+    from dataclasses import replace
+
     out = {k: getattr(candidate.plan, k) for k in PLAN_KEYS}
     out.update({k: getattr(candidate.train, k) for k in TRAIN_KEYS})
+    if global_batch_size == 0:
+        cfg = candidate.config
+        auto = RunConfig(cfg.model, cfg.cluster, cfg.plan, replace(cfg.train, global_batch_size=0))
+        if auto.train.global_batch_size == candidate.train.global_batch_size:
+            out["global_batch_size"] = 0
     prec = candidate.train.precision
     if prec in PRECISIONS:
         out["precision"] = prec
@@ -537,18 +737,33 @@ def _get(a: Any, name: str) -> Any:
 def gantt_rects(actions: Iterable[Any], height: float = 0.8) -> list[dict[str, Any]]:
     """One rectangle per action (simulated :class:`workbench.predict.pipeline.Action` or measured
     records with the same fields): x from start to end, y centred on the rank (rank 0 on top is
-    the view's business), coloured by kind, labelled by micro-batch."""
+    the view's business), coloured by kind, labelled by micro-batch, and by stage too where a rank
+    holds several (``chunk``: which of the rank's stages, ``stage // pp`` for interleaved and V
+    schedules alike)."""
+    acts = list(actions)
+    n_ranks = len({int(_get(a, "rank")) for a in acts}) or 1
+    chunked = any(int(_get(a, "stage")) >= n_ranks for a in acts)
     out = []
-    for a in actions:
+    for a in acts:
         rank, kind = int(_get(a, "rank")), str(_get(a, "kind"))
+        stage, mb = int(_get(a, "stage")), int(_get(a, "microbatch"))
         start, end = float(_get(a, "start")), float(_get(a, "end"))
         out.append({
             "x0": start, "x1": end, "y0": rank - height / 2, "y1": rank + height / 2,
-            "rank": rank, "stage": int(_get(a, "stage")), "microbatch": int(_get(a, "microbatch")),
+            "rank": rank, "stage": stage, "microbatch": mb, "chunk": stage // n_ranks,
             "kind": kind, "color": KIND_COLORS.get(kind, "#777777"), "start": start, "end": end,
-            "label": str(_get(a, "microbatch")), "xc": (start + end) / 2, "yc": rank,
+            "label": f"s{stage}·{mb}" if chunked else str(mb), "xc": (start + end) / 2, "yc": rank,
         })
     return out
+
+
+def unit_stage_times(pp: int, virtual_stages: int) -> tuple[tuple[float, float], ...]:
+    """Unit work split over a rank's chunks: each of the ``pp x v`` stages forward 1/v and
+    backward 2/v (a zero-bubble schedule splits that backward into I = W = 1/v), so one rank's
+    work per micro-batch is F = 1, B = 2 whatever v: interleaved and V schedules then compare with
+    1F1B on the same model (notebook 03's normalisation)."""
+    v = max(1, virtual_stages)
+    return ((1.0 / v, 2.0 / v),) * (pp * v)
 
 
 def bubble_fraction_of(actions: Iterable[Any]) -> float:

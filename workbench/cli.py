@@ -230,6 +230,19 @@ def format_bill(config: RunConfig, bill: Any) -> str:
 
 
 # ---------------------------------------------------------------------------- serve
+def check_runs_root(path: str, field: str = "runs") -> None:
+    """``--runs``: a writable directory, or a name whose folder exists (made at the first launch)."""
+    require(bool(path.strip()), f"{field}={path!r} is empty; give the directory runs go under", field=field,
+            value=path)
+    if os.path.exists(path):
+        require(os.path.isdir(path), f"{field}={path!r} is not a directory", field=field, value=path)
+        require(os.access(path, os.W_OK | os.X_OK), f"{field}={path!r} is not writable", field=field, value=path)
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    require(os.path.isdir(parent), f"{field}={path!r} does not exist, nor does its folder {parent!r}", field=field,
+            value=path)
+
+
 @main.command()
 @click.option("--port", type=click.IntRange(1, 65535), default=5006, show_default=True)
 @click.option("--address", default="127.0.0.1", show_default=True,
@@ -239,6 +252,8 @@ def format_bill(config: RunConfig, bill: Any) -> str:
 @click.option("--runs", "run_root", default=None, help="Where launched runs go (default $WORKBENCH_RUNS or ./runs).")
 def serve(port: int, address: str, basic_auth: str | None, show: bool, run_root: str | None) -> None:
     """Serve the workbench app (local-cpu cluster, tiny model, local kernels by default)."""
+    if run_root is not None:
+        check_runs_root(run_root)  # before the server starts: the first launch would find it otherwise
     click.echo(f"workbench app on http://{address}:{port}/ (Ctrl-C stops it)", err=True)
     # The UI is the top layer: the command starts it by module name and imports none of it.
     argv = [sys.executable, "-m", APP_MODULE, "--port", str(port), "--address", address]

@@ -25,8 +25,9 @@ import pandas as pd
 from workbench import PRECISIONS, Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings, estimate_memory
 from workbench.predict.memory import COMPONENTS, activation_bytes_per_layer, model_state_bytes
 from widgets.transforms import COMPONENT_COLORS
+import widgets
 
-hv.extension("bokeh", logo=False)
+widgets.extension()  # Bokeh, Panel, HoloViews: inline, from the installed packages (offline)
 GB, GiB = 1e9, 2**30
 STATES = ("parameters", "gradients", "optimizer", "master_weights")
 state_colors = [COMPONENT_COLORS[c] for c in STATES]
@@ -234,9 +235,6 @@ bars = hv.Bars(
 # `PlanState`, the object every view of the app shares.
 
 # %%
-import widgets
-
-widgets.extension()
 state = widgets.PlanState(model=llama70, cluster="dgx-h100", nodes=8, tp=8, pp=4, seq_len=8192,
                           recompute="selective", precision="bf16-megatron")
 assert state.config is not None and estimate_memory(state.config).peak_bytes == bill.peak_bytes

@@ -20,8 +20,9 @@ from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings
 from workbench.predict.comms import BUS_FACTOR, collective_time, link_traffic, traffic_by_dim
 from workbench.spec.plan import MESH_DIMS
 from widgets.mesh_view import mesh_figure
+import widgets
 
-hv.extension("bokeh", logo=False)
+widgets.extension()  # Bokeh, Panel, HoloViews: inline, from the installed packages (offline)
 GB = 1e9
 
 # %% [markdown]

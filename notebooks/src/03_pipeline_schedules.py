@@ -31,8 +31,9 @@ from workbench import (
 from workbench.spec.plan import split_layers, split_layers_by_cost
 from workbench.predict.pipeline import bubble_closed_form
 from widgets.pipeline_view import gantt_figure
+import widgets
 
-hv.extension("bokeh", logo=False)
+widgets.extension()  # Bokeh, Panel, HoloViews: inline, from the installed packages (offline)
 GiB = 2**30
 
 # %% [markdown]

@@ -40,8 +40,9 @@ from workbench.predict.pipeline import schedule_order
 from workbench.rundir import analysis
 from workbench.rundir.events import COMMON_FIELDS, KINDS, find_gaps, read_events
 from widgets.pipeline_view import gantt_figure
+import widgets
 
-hv.extension("bokeh", logo=False)
+widgets.extension()  # Bokeh, Panel, HoloViews: inline, from the installed packages (offline)
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # two ranks share two cores: no intra-op threads
 RUN_ROOT = Path(tempfile.mkdtemp(prefix="workbench-nb04-"))
 

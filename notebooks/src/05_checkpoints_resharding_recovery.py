@@ -39,8 +39,9 @@ from workbench.rundir import create_run_dir
 from workbench.rundir.events import read_events
 from workbench.rundir.checkpoints import list_checkpoints, verify_checkpoint
 from workbench.trainer.transformer import build_model
+import widgets
 
-hv.extension("bokeh", logo=False)
+widgets.extension()  # Bokeh, Panel, HoloViews: inline, from the installed packages (offline)
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # two ranks share two cores: no intra-op threads
 ROOT = Path(tempfile.mkdtemp(prefix="workbench-nb05-"))
 T0 = time.perf_counter()

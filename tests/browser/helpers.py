@@ -82,3 +82,81 @@ def screenshot(page, name: str) -> Path:
     path = SCREENSHOTS / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)
     return path
+
+
+# ------------------------------------------------------------------ pages with the outside blocked
+LOCAL_PREFIXES = ("http://127.0.0.1", "ws://127.0.0.1", "http://localhost", "ws://localhost", "data:", "blob:",
+                  "about:")
+
+
+class OfflinePage:
+    """A page whose every request outside 127.0.0.1 is aborted and recorded (``blocked``), as on a
+    cluster login node without internet, with the page's uncaught errors in ``errors``."""
+
+    def __init__(self, browser, viewport: tuple[int, int] = (1600, 1250)):
+        self.context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]})
+        self.blocked: list[str] = []
+        self.errors: list[str] = []
+        self.context.route("**/*", self._route)
+        self.page = self.context.new_page()
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+
+    def _route(self, route) -> None:
+        url = route.request.url
+        if url.startswith(LOCAL_PREFIXES):
+            route.continue_()
+        else:
+            self.blocked.append(url)
+            route.abort()
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@contextmanager
+def offline_page(browser, viewport: tuple[int, int] = (1600, 1250)) -> Iterator[OfflinePage]:
+    """An :class:`OfflinePage`; on leaving, asserts nothing outside 127.0.0.1 was requested."""
+    off = OfflinePage(browser, viewport)
+    try:
+        yield off
+        assert not off.blocked, f"the page requested outside 127.0.0.1: {sorted(set(off.blocked))}"
+    finally:
+        off.close()
+
+
+def open_app(browser, url: str, viewport: tuple[int, int] = (1600, 1250), timeout_s: float = 90.0):
+    """Open the served app on an :func:`offline_page` (a context manager) and wait until the sidebar
+    has its numbers; yields the OfflinePage (``.page``, ``.blocked``, ``.errors``)."""
+    @contextmanager
+    def _opened() -> Iterator[OfflinePage]:
+        with offline_page(browser, viewport) as off:
+            off.page.goto(url)
+            off.page.get_by_test_id("summary-peak").locator("visible=true").first.wait_for(timeout=timeout_s * 1000)
+            yield off
+    return _opened()
+
+
+def tab(page, title: str) -> None:
+    """Click the app's tab titled ``title`` (e.g. "3 · Mesh")."""
+    page.locator(".bk-tab").get_by_text(title, exact=True).click()
+    time.sleep(0.3)
+
+
+def text_of(page, testid: str) -> str:
+    """The text of the first visible element with ``data-testid=testid``."""
+    return page.get_by_test_id(testid).locator("visible=true").first.inner_text()
+
+
+def wait_until(page, testid: str, ok, timeout_s: float = 60.0) -> str:
+    """Poll the text of ``testid`` until ``ok(text)``; return it (AssertionError with the last text)."""
+    deadline = time.monotonic() + timeout_s
+    now = None
+    while time.monotonic() < deadline:
+        try:
+            now = text_of(page, testid)
+            if ok(now):
+                return now
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{testid} is {now!r} after {timeout_s} s")

@@ -1,4 +1,4 @@
-"""The plan advisor: ``advise(model, cluster, train, top=10) -> Advice``.
+"""The plan advisor: ``advise(model, cluster, train, top=10, headroom=0.08) -> Advice``.
 
 Enumerate every valid plan (TP, PP up to 32 stages of >= 2 blocks, CP, EP and data-parallel degrees, HSDP, pipeline schedule
 and virtual stages, micro-batch size, ZeRO stage, recomputation; sequence parallel is always on
@@ -25,6 +25,16 @@ redone without pruning, with a warning). ``Advice.stats`` counts what the search
 plans, bills that did not fit (``too_big``), predictions, and slots left unsearched (``pruned``).
 The naive baseline ("just add devices": plain data parallel over every GPU with nothing
 else changed) is always evaluated and returned with the answer.
+
+Every plan is compared at ONE global batch (sequences per optimizer step): the caller's
+``train.global_batch_size``, or, when it is 0 ("auto"), :func:`search_batch`'s
+``AUTO_SEQUENCES_PER_GPU`` (2) sequences per GPU of the cluster, fixed before the search. Plans
+differ in micro-batch size and gradient accumulation (micro-batches per step), never in the batch
+they train, so their step times compare like with like. A plan fits only with ``headroom`` (a
+fraction of HBM, default :data:`DEFAULT_HEADROOM`) left free: peak <= (1 - headroom) x HBM; the
+baseline is held to the same rule. :class:`Advice` records the inputs it was computed for
+(:class:`AdviceInputs`), so a view can tell when its table no longer belongs to what is on screen.
+``progress(done, total)``, if given, is called from the searching thread as slots are settled.
 """
 
 from __future__ import annotations
@@ -45,6 +55,132 @@ from workbench.spec.plan import ParallelPlan
 
 GiB = float(1 << 30)
 RECOMPUTE_ORDER = ("none", "selective", "full")
+# Memory left free on every GPU by default: the allocator's spikes, NCCL's buffers and a profiler
+# need room that no bill predicts to the byte (8 % of an 80 GiB H100 is 6.4 GiB).
+DEFAULT_HEADROOM = 0.08
+MAX_HEADROOM = 0.5
+# The batch of a search whose global_batch_size is 0 ("auto"): sequences per GPU of the cluster.
+# Every degree divides the world size, so every data-parallel degree divides this batch.
+AUTO_SEQUENCES_PER_GPU = 2
+
+# Words for the values the tables and explanations show (not the internal names).
+RECOMPUTE_WORDS = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}
+SCHEDULE_WORDS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B",
+                  "looped-bfs": "looped BFS", "zero-bubble": "zero-bubble", "zbv": "zero-bubble V",
+                  "dualpipev": "DualPipe-V"}
+ZERO_WORDS = {0: "replicated", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+# breakdown keys of a StepPrediction -> what they are
+TIME_WORDS = {"compute": "compute", "recompute": "recomputation", "bubble": "pipeline bubble",
+              "optimizer": "optimizer step", "comm_tp": "tensor-parallel communication",
+              "comm_cp": "context-parallel communication", "comm_ep": "expert all-to-all",
+              "comm_pp": "pipeline send/receive", "comm_dp_shard_cp": "data-parallel sharding (FSDP) communication",
+              "comm_dp_replicate": "communication between replicas", "comm_dp": "data-parallel gradient all-reduce",
+              "comm_dp_cp": "data-parallel gradient all-reduce", "comm_efsdp": "expert sharding communication",
+              "comm_edp": "expert data-parallel communication"}
+
+
+def plan_words(plan: ParallelPlan) -> str:
+    """The plan in words: "tensor parallel 8 × pipeline 2 (zero-bubble V, 2 stages per GPU) ×
+    data parallel 2 (ZeRO-3)"."""
+    parts = []
+    if plan.tp > 1:
+        parts.append(f"tensor parallel {plan.tp}")
+    if plan.pp > 1:
+        per = f", {plan.virtual_stages} stages per GPU" if plan.virtual_stages > 1 else ""
+        parts.append(f"pipeline {plan.pp} ({SCHEDULE_WORDS.get(plan.pp_schedule, plan.pp_schedule)}{per})")
+    sharded = plan.dp_shard * plan.cp > 1
+    zero = ZERO_WORDS[plan.zero_stage] if sharded else "replicated"
+    if plan.cp > 1:
+        parts.append(f"context parallel {plan.cp}" + (f" ({zero})" if plan.dp == 1 else ""))
+    if plan.ep > 1:
+        parts.append(f"expert parallel {plan.ep}")
+    if plan.dp > 1:
+        how = (f"{plan.dp_replicate} replicas of {plan.dp_shard} sharded, {zero}" if plan.dp_replicate > 1 else zero)
+        parts.append(f"data parallel {plan.dp} ({how})")
+    return " × ".join(parts) or "one GPU"
+
+
+def percent(fraction: float) -> str:
+    """``0.08`` -> ``"8%"``, ``0.075`` -> ``"7.5%"``."""
+    return f"{100 * fraction:.3g}%"
+
+
+def search_batch(cluster: Cluster, train: TrainSettings) -> int:
+    """The global batch every plan of a search is compared at: ``train.global_batch_size``, or
+    for 0 ("auto") ``AUTO_SEQUENCES_PER_GPU`` sequences per GPU of ``cluster``."""
+    return train.global_batch_size or AUTO_SEQUENCES_PER_GPU * cluster.world_size
+
+
+def check_headroom(headroom: object) -> float:
+    """``headroom`` as a fraction of HBM in [0, MAX_HEADROOM); ConfigError naming it otherwise."""
+    if (isinstance(headroom, bool) or not isinstance(headroom, (int, float))
+            or (isinstance(headroom, float) and not math.isfinite(headroom))):
+        raise ConfigError(f"headroom={headroom!r} must be a finite number, a fraction of HBM in [0, {MAX_HEADROOM})",
+                          field="headroom", value=headroom)
+    if not 0 <= headroom < MAX_HEADROOM:
+        raise ConfigError(f"headroom={headroom!r} must be a fraction of HBM in [0, {MAX_HEADROOM}) "
+                          "(0.08 leaves 8 % free)",
+                          field="headroom", value=headroom)
+    return float(headroom)
+
+
+@dataclass(frozen=True)
+class AdviceInputs:
+    """What a search was computed for: an Advice belongs to these and to nothing else.
+    ``train.global_batch_size`` is the batch every plan was compared at (resolved from auto when
+    ``auto_batch``; two inputs that resolve to the same batch are the same search)."""
+
+    model: ModelSpec
+    cluster: Cluster
+    train: TrainSettings
+    headroom: float
+    auto_batch: bool = field(default=False, compare=False)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.train.global_batch_size
+
+    def batch_words(self) -> str:
+        gbs = self.global_batch_size
+        auto = f" (auto: {AUTO_SEQUENCES_PER_GPU} per GPU)" if self.auto_batch else ""
+        return f"global batch {gbs} sequences{auto}"
+
+    def describe(self) -> str:
+        """"mixtral-8x7b on 2 × 8 h100-80gb (dgx-h100), seq 4096, global batch 64 sequences,
+        bf16-megatron, megatron profile, 8 % headroom"."""
+        c, t = self.cluster, self.train
+        return (f"{self.model.name or 'a custom model'} on {c.nodes} × {c.gpus_per_node} {c.gpu.name} ({c.name}), "
+                f"seq {t.seq_len}, {self.batch_words()}, {t.precision or 'custom precision'}, "
+                f"{t.profile.name} profile, {percent(self.headroom)} headroom")
+
+    def differences(self, other: "AdviceInputs") -> list[str]:
+        """The inputs that differ from ``other``'s, in words ("model", "global batch", ...)."""
+        out = []
+        if self.model != other.model:
+            out.append("model")
+        if (self.cluster.name, self.cluster.gpu) != (other.cluster.name, other.cluster.gpu):
+            out.append("cluster")
+        elif self.cluster != other.cluster:
+            out.append("nodes")
+        a, b = self.train, other.train
+        if a.seq_len != b.seq_len:
+            out.append("sequence length")
+        if a.global_batch_size != b.global_batch_size:
+            out.append("global batch")
+        if a.profile != b.profile:
+            out.append("framework")
+        dtypes = ("param_dtype", "grad_dtype", "master_dtype", "optim_dtype", "compute_dtype")
+        if any(getattr(a, k) != getattr(b, k) for k in dtypes):
+            out.append("precision")
+        if a.attention != b.attention:
+            out.append("attention")
+        same = dict(seq_len=b.seq_len, global_batch_size=b.global_batch_size, framework=b.framework,
+                    attention=b.attention, **{k: getattr(b, k) for k in dtypes})
+        if replace(a, **same) != b:
+            out.append("training settings")
+        if self.headroom != other.headroom:
+            out.append("headroom")
+        return out
 
 
 @dataclass(frozen=True)
@@ -65,11 +201,22 @@ class PlanCandidate:
     def train(self) -> TrainSettings:
         return self.config.train
 
+    @property
+    def headroom_bytes(self) -> int:
+        """HBM left free on the most loaded GPU."""
+        return self.memory.hbm_bytes - self.memory.peak_bytes
+
+    @property
+    def headroom_fraction(self) -> float:
+        return self.headroom_bytes / self.memory.hbm_bytes
+
     def summary(self) -> str:
         p, t = self.prediction, self.train
         return (
-            f"{self.plan.describe()}, mbs {t.micro_batch_size}, recompute {t.recompute}: "
-            f"{self.memory.peak_bytes / GiB:.1f} GiB, step {p.step_time_s:.3f} s, MFU {p.mfu:.1%}, "
+            f"{self.plan.describe()}, global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x "
+            f"{self.config.n_microbatches} per replica, {RECOMPUTE_WORDS[t.recompute]}: "
+            f"{self.memory.peak_bytes / GiB:.1f} GiB ({self.headroom_bytes / GiB:.1f} GiB free), "
+            f"step {p.step_time_s:.3f} s, MFU {p.mfu:.1%}, "
             f"bubble {p.bubble_fraction:.1%}, {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
         )
 
@@ -89,14 +236,22 @@ class Baseline:
 
 
 class Advice(list):
-    """The top candidates (a list, best first) plus the baseline and the search's statistics."""
+    """The top candidates (a list, best first) plus the baseline, the search's statistics and the
+    inputs it was computed for (``inputs``: every candidate trains ``inputs.global_batch_size``
+    sequences per step and leaves at least ``inputs.headroom`` of HBM free)."""
 
     def __init__(self, candidates: list[PlanCandidate], baseline: Baseline, stats: dict[str, int],
-                 rejections: dict[str, str]):
+                 rejections: dict[str, str], inputs: AdviceInputs | None = None):
         super().__init__(candidates)
         self.baseline = baseline
         self.stats = stats
         self.rejections = rejections
+        self.inputs = inputs
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """The batch every plan was compared at."""
+        return self.inputs.global_batch_size if self.inputs else None
 
     def gain_over_baseline(self) -> float | None:
         """Throughput of the best plan over the baseline's (None when the baseline does not fit)."""
@@ -113,8 +268,10 @@ def _divisors(n: int) -> list[int]:
 class _Search:
     model: ModelSpec
     cluster: Cluster
-    train: TrainSettings
+    train: TrainSettings  # its global batch is resolved on construction (search_batch)
     prune: bool = True  # False: search every slot (what the bound must not change; tests compare)
+    headroom: float = DEFAULT_HEADROOM
+    progress: Callable[[int, int], None] | None = None  # (slots settled, slots), from this thread
     stats: dict[str, int] = field(
         default_factory=lambda: {"plans": 0, "invalid": 0, "too_big": 0, "predicted": 0, "pruned": 0})
     # (position in the enumeration, family, why): the search meets them out of order
@@ -122,6 +279,26 @@ class _Search:
     floor_broken: bool = False  # a prediction beat its slot's bound: the bound no longer holds
     _settings: dict[tuple[int, str], TrainSettings] = field(default_factory=dict)
     _plans: dict[tuple, ParallelPlan] = field(default_factory=dict)
+    settled: int = 0  # slots searched to the end (or found unreachable) so far
+    total: int = 0
+
+    def __post_init__(self) -> None:
+        # One batch for every plan: a plan-dependent "auto" batch would rank unlike steps.
+        self.train = replace(self.train, global_batch_size=search_batch(self.cluster, self.train))
+        # peak <= (1 - headroom) x HBM, in whole bytes (a bill's peak is an integer)
+        self.limit_bytes = math.floor((1 - self.headroom) * self.cluster.gpu.hbm_bytes)
+
+    def fits(self, bill: MemoryBill) -> bool:
+        """Whether ``bill`` leaves the headroom free."""
+        return bill.peak_bytes <= self.limit_bytes
+
+    def settle(self, n: int = 1) -> None:
+        """Count ``n`` slots settled and tell ``progress`` (every 1 % of the slots, and the last)."""
+        before, self.settled = self.settled, self.settled + n
+        if self.progress is not None and self.total:
+            step = max(1, self.total // 100)
+            if self.settled // step != before // step or self.settled >= self.total:
+                self.progress(min(self.settled, self.total), self.total)
 
     def note(self, position: int, family: str, why: str) -> None:
         self.notes.append((position, family, why))
@@ -168,6 +345,7 @@ class _Search:
             try:
                 recompute, bubble = next(slot.steps)
             except StopIteration as end:
+                self.settle()
                 if end.value is not None:
                     if end.value.prediction.tokens_per_s > slot.ceiling:
                         self.floor_broken = True
@@ -255,7 +433,7 @@ class _Slot:
         if self._lean_bill is None:
             self._s.stats["plans"] += 1
             self._lean_bill = estimate_memory(self.lean)
-            self._lean_fit = bool(self._lean_bill.fits())
+            self._lean_fit = self._s.fits(self._lean_bill)
             if not self._lean_fit:
                 self._s.stats["too_big"] += 1
         return self._lean_fit
@@ -292,7 +470,7 @@ class _Slot:
                         return None
                     s.stats["plans"] += 1
                     bill = estimate_memory(cfg)
-                if bill.fits():
+                if s.fits(bill):
                     s.stats["predicted"] += 1
                     return PlanCandidate(cfg, bill, predict_step(cfg, memory=bill, simulate=False))
                 s.stats["too_big"] += 1
@@ -391,7 +569,7 @@ def _search(s: _Search, top: int) -> list[PlanCandidate]:
         per_dp = gbs // dp if gbs else 0
         for schedule, v in _schedules(shape["pp"], s.model.n_layers):
             earlier: list[_Slot] = []
-            for mbs in (1, 2, 4):
+            for mbs in (1, 2, 4):  # the batch stays: micro-batch size x gradient accumulation = per_dp
                 if per_dp and per_dp % mbs:
                     continue
                 slot = _Slot(s, position, shape, schedule, v, mbs, tuple(earlier))
@@ -413,6 +591,7 @@ def _search(s: _Search, top: int) -> list[PlanCandidate]:
         found.append((slot.index, c))
         (heapq.heappush if len(front) < n_front else heapq.heappushpop)(front, c.prediction.tokens_per_s)
 
+    s.total = len(slots)
     pending = [(-slot.ceiling, slot.index, slot) for slot in slots]
     heapq.heapify(pending)
     s.drain(pending, lambda ceiling: len(front) < n_front or ceiling >= front[0], admit)
@@ -442,51 +621,65 @@ def _search(s: _Search, top: int) -> list[PlanCandidate]:
             pending += inside
             heapq.heapify(pending)
     s.stats["pruned"] = len(pending)
+    s.settle(len(pending))  # the bound settled them: none can change the answer
     rest = sorted(found, key=lambda f: (-f[1].prediction.tokens_per_s, f[0]))[n_front:]
     return finalists + [c for _, c in rest]
 
 
-def _baseline(model: ModelSpec, cluster: Cluster, train: TrainSettings) -> Baseline:
+def _baseline(s: _Search) -> Baseline:
+    """Plain data parallel over every GPU, at the search's batch and under its headroom."""
+    cluster = s.cluster
     plan = ParallelPlan(dp_shard=cluster.world_size, zero_stage=0)
     try:
-        cfg = RunConfig(model, cluster, plan, train)
+        cfg = RunConfig(s.model, cluster, plan, s.train)
     except ConfigError as e:
         return Baseline(None, None, None, f"plain data parallel is invalid: {e}")
     bill = estimate_memory(cfg)
-    fit = bill.fits()
-    if not fit:
+    if not s.fits(bill):
+        free = f" less {percent(s.headroom)} headroom" if s.headroom else ""
         return Baseline(cfg, bill, None, (
             f"plain data parallel over {cluster.world_size} GPUs needs {bill.peak_bytes / GiB:.1f} GiB per GPU "
             f"(model states {sum(bill.components[k] for k in ('parameters', 'gradients', 'optimizer', 'master_weights')) / GiB:.1f} GiB) "
-            f"> {fit.hbm_bytes / GiB:.0f} GiB"))
+            f"> {s.limit_bytes / GiB:.1f} GiB ({bill.hbm_bytes / GiB:.0f} GiB{free})"))
     return Baseline(cfg, bill, predict_step(cfg, memory=bill), "fits")
 
 
-def advise(model: ModelSpec, cluster: Cluster, train: TrainSettings, top: int = 10) -> Advice:
+def advise(model: ModelSpec, cluster: Cluster, train: TrainSettings, top: int = 10,
+           headroom: float = DEFAULT_HEADROOM, progress: Callable[[int, int], None] | None = None) -> Advice:
     """Search every valid plan; return the ``top`` by predicted throughput, explained.
 
-    Plans that the compute-only bound shows cannot change the answer are not predicted (see the
-    module docstring): the answer is the exhaustive search's; ``stats["pruned"]`` counts them."""
+    Every plan trains the same global batch (``train.global_batch_size``; 0: :func:`search_batch`'s
+    auto batch, ``Advice.inputs`` says which) and fits with ``headroom`` (a fraction of HBM in
+    [0, 0.5)) left free. ``progress(done, total)``, if given, hears from the searching thread as
+    the plan slots are settled. Plans that the compute-only bound shows cannot change the answer
+    are not predicted (see the module docstring): the answer is the exhaustive search's;
+    ``stats["pruned"]`` counts them."""
     check_instance("model", model, ModelSpec)
     check_instance("cluster", cluster, Cluster)
     check_instance("train", train, TrainSettings)
     check_int("top", top)
-    return _advise(model, cluster, train, top)
+    headroom = check_headroom(headroom)
+    if progress is not None and not callable(progress):
+        raise ConfigError(f"progress={progress!r} must be callable (done, total)", field="progress", value=progress)
+    return _advise(model, cluster, train, top, headroom=headroom, progress=progress)
 
 
-def _advise(model: ModelSpec, cluster: Cluster, train: TrainSettings, top: int = 10, prune: bool = True) -> Advice:
-    s = _Search(model, cluster, train, prune=prune)
+def _advise(model: ModelSpec, cluster: Cluster, train: TrainSettings, top: int = 10, prune: bool = True,
+            headroom: float = DEFAULT_HEADROOM, progress: Callable[[int, int], None] | None = None) -> Advice:
+    s = _Search(model, cluster, train, prune=prune, headroom=headroom, progress=progress)
     results = _search(s, top)
     if s.floor_broken:
         # The answer may have lost a plan the bound wrongly pruned: the time model changed under
         # _step_floor. Stay correct (and slow) until the bound is brought back under it.
         warnings.warn("the advisor's step-time bound exceeded a prediction; searching every plan",
                       RuntimeWarning, stacklevel=3)
-        s = _Search(model, cluster, train, prune=False)
+        s = _Search(model, cluster, train, prune=False, headroom=headroom, progress=progress)
         results = _search(s, top)
-    baseline = _baseline(model, cluster, train)
-    best = [replace(c, rank=i + 1, explanation=explain(c, results, baseline, cluster)) for i, c in enumerate(results[:top])]
-    return Advice(best, baseline, s.stats, s.rejections)
+    baseline = _baseline(s)
+    inputs = AdviceInputs(model, cluster, s.train, headroom, auto_batch=train.global_batch_size == 0)
+    best = [replace(c, rank=i + 1, explanation=explain(c, results, baseline, cluster, headroom))
+            for i, c in enumerate(results[:top])]
+    return Advice(best, baseline, s.stats, s.rejections, inputs)
 
 
 # ---------------------------------------------------------------------------- explanations
@@ -500,14 +693,21 @@ _ALTERNATIVES: tuple[tuple[str, Callable[[ParallelPlan, ParallelPlan], bool]], .
 )
 
 
-def explain(c: PlanCandidate, others: list[PlanCandidate], baseline: Baseline, cluster: Cluster) -> tuple[str, ...]:
-    """Why this plan, in the scaling order, and why the obvious alternatives lost."""
+def explain(c: PlanCandidate, others: list[PlanCandidate], baseline: Baseline, cluster: Cluster,
+            headroom: float = DEFAULT_HEADROOM) -> tuple[str, ...]:
+    """Why this plan, in the scaling order, and why the obvious alternatives lost. The
+    alternatives are taken from ``others`` at ``c``'s global batch only: a plan that trains more
+    sequences per step is slower per step and no worse for it."""
     plan, train, pred = c.plan, c.train, c.prediction
     gpn = cluster.gpus_per_node
+    gbs = train.global_batch_size
     lines = []
-    if baseline.fits:
+    if baseline.fits and baseline.config.train.global_batch_size == gbs:
         gain = pred.tokens_per_s / baseline.prediction.tokens_per_s
         lines.append(f"{gain:.2f}x the throughput of plain data parallel over every GPU")
+    lines.append(f"global batch {gbs} sequences ({gbs * train.seq_len:,} tokens) per step, as for every plan "
+                 f"compared: {plan.dp} replica{'s' if plan.dp > 1 else ''} × {c.config.n_microbatches} "
+                 f"micro-batch{'es' if c.config.n_microbatches > 1 else ''} of {train.micro_batch_size}")
     dp = plan.dp
     zero_words = {0: "no sharding", 1: "ZeRO-1 (optimizer states sharded)", 2: "ZeRO-2 (+ gradients)",
                   3: "ZeRO-3/FSDP (+ parameters)"}
@@ -515,30 +715,39 @@ def explain(c: PlanCandidate, others: list[PlanCandidate], baseline: Baseline, c
         rep = f", HSDP: replicated {plan.dp_replicate}x across groups of {plan.dp_shard}" if plan.dp_replicate > 1 else ""
         lines.append(f"data parallel over {dp} replicas with {zero_words[plan.zero_stage]}{rep}")
     if plan.tp > 1:
-        lines.append(f"tp={plan.tp} inside the {gpn}-GPU NVLink domain of a node (sequence parallel on)")
+        lines.append(f"tensor parallel over {plan.tp} GPUs inside the {gpn}-GPU NVLink domain of a node "
+                     "(sequence parallel on)")
     if plan.pp > 1:
-        sched = plan.pp_schedule + (f", {plan.virtual_stages} stages per rank" if plan.virtual_stages > 1 else "")
-        lines.append(f"pp={plan.pp} ({sched}) with {c.config.n_microbatches} micro-batches: bubble {pred.bubble_fraction:.1%}")
+        sched = SCHEDULE_WORDS.get(plan.pp_schedule, plan.pp_schedule) + " schedule"
+        sched += f" with {plan.virtual_stages} stages per GPU" if plan.virtual_stages > 1 else ""
+        lines.append(f"pipeline over {plan.pp} GPUs ({sched}), {c.config.n_microbatches} micro-batches per step: "
+                     f"bubble {pred.bubble_fraction:.1%}")
     if plan.cp > 1:
-        lines.append(f"cp={plan.cp} splits the {train.seq_len}-token sequences ({train.seq_len // plan.cp} per rank)")
+        lines.append(f"context parallel over {plan.cp} GPUs splits the {train.seq_len}-token sequences "
+                     f"({train.seq_len // plan.cp} tokens per GPU)")
     if plan.ep > 1:
-        lines.append(f"ep={plan.ep} shards the experts")
+        lines.append(f"expert parallel over {plan.ep} GPUs shards the experts")
     if train.recompute != "none":
-        lines.append(f"{train.recompute} recomputation: without it the activations do not fit")
-    lines.append(f"memory {c.memory.peak_bytes / GiB:.1f} of {c.memory.hbm_bytes / GiB:.0f} GiB; "
-                 f"time: " + ", ".join(f"{k} {v / pred.step_time_s:.0%}" for k, v in pred.breakdown.items() if v > 0.005 * pred.step_time_s))
-    # alternatives: the best plan with a different structure, and why it is slower
+        lines.append(f"{train.recompute} recomputation: without it the activations do not fit "
+                     f"with {percent(headroom)} of memory left free")
+    lines.append(f"memory {c.memory.peak_bytes / GiB:.1f} of {c.memory.hbm_bytes / GiB:.0f} GiB "
+                 f"({c.headroom_bytes / GiB:.1f} GiB, {c.headroom_fraction:.1%} free; "
+                 f"at least {percent(headroom)} required); "
+                 f"time: " + ", ".join(f"{TIME_WORDS.get(k, k)} {v / pred.step_time_s:.0%}"
+                                       for k, v in pred.breakdown.items() if v > 0.005 * pred.step_time_s))
+    # alternatives: the best plan with a different structure at the same batch, and why it is slower
     def best_where(pred_fn):
-        return next((o for o in others if pred_fn(o.plan) and o is not c), None)
+        return next((o for o in others if pred_fn(o.plan) and o is not c and o.train.global_batch_size == gbs), None)
 
     for label, differs in _ALTERNATIVES:
         alt = best_where(lambda p: differs(p, plan))
         if alt is not None and alt.prediction.tokens_per_s < pred.tokens_per_s:
             diff = 1 - alt.prediction.tokens_per_s / pred.tokens_per_s
-            lines.append(f"{label} ({alt.plan.describe()}, {alt.train.recompute} recompute) is {diff:.0%} slower: "
-                         f"{_why_slower(alt, c)}")
+            lines.append(f"{label} ({plan_words(alt.plan)}, {RECOMPUTE_WORDS[alt.train.recompute]}) is {diff:.0%} "
+                         f"slower at the same batch: {_why_slower(alt, c)}")
     if plan.tp == gpn:
-        lines.append(f"tp={2 * gpn} would cross nodes: its all-reduces would leave NVLink for the network")
+        lines.append(f"tensor parallel over {2 * gpn} GPUs would cross nodes: its all-reduces would leave NVLink "
+                     "for the network")
     return tuple(lines)
 
 
@@ -546,4 +755,4 @@ def _why_slower(alt: PlanCandidate, best: PlanCandidate) -> str:
     a, b = alt.prediction.breakdown, best.prediction.breakdown
     deltas = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in set(a) | set(b)}
     k = max(deltas, key=deltas.get)
-    return f"more {k.replace('comm_', 'communication on ')} ({deltas[k] * 1e3:+.0f} ms per step)"
+    return f"more {TIME_WORDS.get(k, k.replace('comm_', 'communication on '))} ({deltas[k] * 1e3:+.0f} ms per step)"

@@ -219,29 +219,55 @@ def stragglers(events: Events) -> dict[str, Any]:
             "p95_s": percentile(flat, 95), "max_s": max(flat)}
 
 
-def step_breakdown(events: Events, rank: int) -> dict[str, float]:
+def step_breakdown(events: Events, rank: int, exclude_s: float = 0.0) -> dict[str, float]:
     """Mean seconds per step on ``rank``: ``step_time``, ``data_wait``, ``bubble`` (pipeline idle
-    inside ``schedule.step()``), ``comm_<dim>`` (summed durations of its calls; calls that overlap
-    compute are counted whole), and ``compute`` = what is left."""
+    inside ``schedule.step()``), ``comm_<dim>`` (summed durations of its calls, start to completion:
+    calls that overlap compute are counted whole), and ``compute``, never negative:
+
+    * on a pipeline rank, the time of its own F/B/I/W actions (``busy_s``), measured. The residual
+      cannot be used there: the pipeline's sends and receives (comm_pp) run during the actions and
+      the bubble's waits, so the step less bubble and comm_pp counts them twice;
+    * elsewhere, the step less what is named (data wait, each comm_<dim>, and ``exclude_s``, the
+      caller's bookkeeping calls), floored at 0: asynchronous calls (FSDP's prefetching all-gathers)
+      overlap compute, and when they are longer than the compute they hide, the residual would be
+      negative. :func:`compute_overlap` says by how much it was floored."""
     steps = _of(events, "step", rank, ("step", "step_time_s"))
     keep = _timed_steps(e["step"] for e in steps)
     steps = [e for e in steps if e["step"] in keep]
     if not steps:
         return {}
     out = {"step_time": statistics.fmean(e["step_time_s"] for e in steps),
-           "data_wait": statistics.fmean(e.get("data_wait_s", 0.0) for e in steps)}
+           "data_wait": statistics.fmean(max(0.0, e.get("data_wait_s", 0.0)) for e in steps)}
     pipe = [e for e in _of(events, "pipeline", rank, ("step", "window", "bubble_fraction")) if e["step"] in keep]
     if pipe:
-        out["bubble"] = statistics.fmean((e["window"][1] - e["window"][0]) * e["bubble_fraction"] for e in pipe)
+        out["bubble"] = statistics.fmean(max(0.0, (e["window"][1] - e["window"][0]) * e["bubble_fraction"])
+                                         for e in pipe)
     comm: dict[str, float] = defaultdict(float)
     coll = [e for e in _of(events, "collectives", rank, ("step", "calls")) if e["step"] in keep]
     for e in coll:
         for c in e["calls"]:
             if c.get("end") is not None and not c.get("scalar"):
-                comm[f"comm_{c['dim']}"] += (c["end"] - c["start"]) / len(coll)
+                comm[f"comm_{c['dim']}"] += max(0.0, c["end"] - c["start"]) / len(coll)
     out.update(sorted(comm.items()))
-    out["compute"] = out["step_time"] - sum(v for k, v in out.items() if k != "step_time")
+    busy = [e["busy_s"] for e in pipe if "busy_s" in e]
+    if busy:
+        out["compute"] = max(0.0, statistics.fmean(busy))
+    else:
+        out["compute"] = max(0.0, compute_residual(out, exclude_s))
     return out
+
+
+def compute_residual(breakdown: Mapping[str, float], exclude_s: float = 0.0) -> float:
+    """The step less everything :func:`step_breakdown` named (and ``exclude_s``); negative when
+    calls that overlap compute are longer than it."""
+    named = sum(v for k, v in breakdown.items() if k not in ("step_time", "compute"))
+    return breakdown["step_time"] - named - exclude_s
+
+
+def compute_overlap(breakdown: Mapping[str, float], exclude_s: float = 0.0) -> float:
+    """Seconds by which the named parts exceed the step (0: they fit in it): what flooring the
+    derived compute at 0 left out."""
+    return max(0.0, -compute_residual(breakdown, exclude_s)) if "step_time" in breakdown else 0.0
 
 
 def bookkeeping_time(events: Events, rank: int) -> float | None:

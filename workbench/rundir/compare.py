@@ -15,7 +15,15 @@ relative error ``(measured - predicted) / predicted``:
 * the step time and its breakdown. The measured step time is the *median* over the timed steps of
   the critical rank (a shared CPU stretches a few steps by a lot, which a mean follows); the
   trainer's single-element bookkeeping calls (loss and gradient-norm reductions, one per sharded
-  gradient) get a row of their own, measured, since the planner does not price them.
+  gradient) get a row of their own, measured, since the planner does not price them. Measured
+  compute is never negative (:func:`workbench.rundir.analysis.step_breakdown`): on a pipeline rank
+  it is the time of the rank's own actions, elsewhere the step less the rest, floored at 0 with a
+  note saying by how much overlapping calls exceeded it.
+
+Each row says how its measured number is taken (:attr:`Row.how`: a statistic, or a derivation):
+the UI shows it as a column, :meth:`Comparison.format` as numbered footnotes. The run's state
+(:func:`workbench.rundir.status.run_outcome`: finished, stopped, failed; errors a stop raised are
+part of the stop) heads the table, so the compare table and the live view agree on it.
 
 ``compare_run(run_dir, cluster=..., framework=...)`` prices the run on another cluster (the
 calibrated one ``workbench calibrate`` wrote: its figures, the run's shape) and under another
@@ -44,6 +52,7 @@ from workbench.spec.plan import ParallelPlan
 from workbench.predict.pipeline import simulate_schedule
 from workbench.rundir import analysis
 from workbench.rundir.record import load_run
+from workbench.rundir.status import run_outcome
 
 if TYPE_CHECKING:
     from workbench.spec.cluster import Cluster
@@ -51,6 +60,11 @@ if TYPE_CHECKING:
 
 MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer", "activations")
 BOOKKEEPING = "bookkeeping (scalar calls)"
+# How each measured number is taken (the "how" of a row; the step-time rows': step_row_how).
+MEMORY_HOW = {"parameters": "local shards, latest memory event", "gradients": "local shards, latest memory event",
+              "optimizer": "local shards, latest memory event", "activations": "peak over the timed steps"}
+BUBBLE_HOW = "median over the timed steps"
+COLLECTIVES_HOW = "mean per timed step"
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,7 @@ class Row:
     measured: float | None
     unit: str
     rank: int | None = None
+    how: str = ""  # how the measured number is taken or derived ("" : read as the events carry it)
 
     @property
     def error(self) -> float | None:
@@ -83,6 +98,7 @@ class Comparison:
     config: RunConfig
     rows: tuple[Row, ...]
     notes: tuple[str, ...] = field(default=())
+    outcome: str = ""  # how the run stands (workbench.rundir.status.run_outcome): "stopped at step 12 (...)"
 
     def section(self, name: str) -> list[Row]:
         return [r for r in self.rows if r.section == name]
@@ -94,24 +110,35 @@ class Comparison:
         raise KeyError(f"{section}/{name}" + (f" (rank {rank})" if rank is not None else ""))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"run_dir": self.run_dir, "notes": list(self.notes),
+        return {"run_dir": self.run_dir, "notes": list(self.notes), "outcome": self.outcome,
                 "rows": [{"section": r.section, "name": r.name, "rank": r.rank, "predicted": r.predicted,
-                          "measured": r.measured, "unit": r.unit, "error": r.error} for r in self.rows]}
+                          "measured": r.measured, "unit": r.unit, "error": r.error, "how": r.how}
+                         for r in self.rows]}
 
     def format(self) -> str:
         """A plain-text table: section, quantity, predicted, measured, error."""
         lines = [f"predicted vs measured: {self.run_dir}  ({self.config.plan.describe()}, "
                  f"{self.config.world_size} ranks)"]
+        if self.outcome:
+            lines.append(f"run: {self.outcome}")
         header = f"  {'quantity':<44} {'predicted':>14} {'measured':>14} {'error':>9}"
         current = None
+        hows: list[str] = []  # the footnotes: how each derived number is derived, once each
         for r in self.rows:
             if r.section != current:
                 current = r.section
                 lines += ["", f"{current}" + (f" (rank {r.rank})" if r.rank is not None and current == "memory" else ""),
                           header]
             name = r.name if r.rank is None or current == "memory" else f"{r.name} [rank {r.rank}]"
+            if r.how:
+                if r.how not in hows:
+                    hows.append(r.how)
+                name = f"{name} ({hows.index(r.how) + 1})"
             lines.append(f"  {name:<44} {format_value(r.predicted, r.unit):>14} {format_value(r.measured, r.unit):>14} "
                          f"{format_error(r):>9}")
+        if hows:
+            lines += ["", "how each measured number is taken:"]
+            lines += [f"({i}) {how}" for i, how in enumerate(hows, 1)]
         if self.notes:
             lines.append("")
             lines += [f"note: {n}" for n in self.notes]
@@ -194,9 +221,10 @@ def collective_rows(config: RunConfig, events: list, rank: int) -> list[Row]:
         p, m = predicted.get(key), measured.get(key)
         label = "/".join(p["dims"]) if p else m["dim"]
         name = f"{label} {key[1]}"
-        rows.append(Row("collectives per step", name, p["bytes"] if p else 0, m["bytes"] if m else none, "B", rank))
+        rows.append(Row("collectives per step", name, p["bytes"] if p else 0, m["bytes"] if m else none, "B", rank,
+                        how=COLLECTIVES_HOW))
         rows.append(Row("collectives per step", f"{name} calls", p["count"] if p else 0, m["count"] if m else none,
-                        "calls", rank))
+                        "calls", rank, how=COLLECTIVES_HOW))
     return rows
 
 
@@ -210,6 +238,23 @@ def priced_config(config: RunConfig, cluster: "Cluster | None" = None,
     if framework is not None:
         config = replace(config, train=replace(config.train, framework=framework))
     return config
+
+
+def step_row_how(name: str, on_pipeline: bool) -> str:
+    """How the measured number of a step-time row is taken (the compare table's "how" column)."""
+    if name == "compute":
+        if on_pipeline:
+            return "measured: the pipeline actions' time (F, B, I, W)"
+        return "derived: step - data wait - comm - bookkeeping, not below 0"
+    if name == "bubble":
+        return "mean of window x bubble fraction"
+    if name == "data_wait":
+        return "mean per step"
+    if name == BOOKKEEPING:
+        return "mean of the scalar calls' durations"
+    if name.startswith("comm_"):
+        return "mean of the calls' durations (overlaps counted whole)"
+    return ""
 
 
 def measured_step_time(events: list, rank: int) -> tuple[float, int] | None:
@@ -244,11 +289,13 @@ def compare_run(run_dir: str | os.PathLike, cluster: "Cluster | None" = None,
     worst = bill.most_loaded_rank
     measured = analysis.memory(events, worst)
     for name in MEMORY_COMPONENTS:
-        rows.append(Row("memory", name, bill.components[name], measured.get(name), "B", worst))
+        rows.append(Row("memory", name, bill.components[name], measured.get(name), "B", worst,
+                        how=MEMORY_HOW.get(name, "")))
     if "cuda_peak_allocated" in measured:
         total = sum(bill.components[k] for k in ("parameters", "gradients", "optimizer", "master_weights",
                                                  "activations", "buffers"))
-        rows.append(Row("memory", "allocated peak (CUDA)", total, measured["cuda_peak_allocated"], "B", worst))
+        rows.append(Row("memory", "allocated peak (CUDA)", total, measured["cuda_peak_allocated"], "B", worst,
+                        how="allocator's peak, timed steps"))
     if not measured:
         notes.append("no memory events: was instrumentation on?")
 
@@ -261,19 +308,20 @@ def compare_run(run_dir: str | os.PathLike, cluster: "Cluster | None" = None,
         # the run's bubble is over all its ranks: with one silent ("rank 1: no events") it is unmeasured
         measured_bubble = (analysis.bubble_fraction(events)
                            if analysis.ranks_with(events, "pipeline") >= set(range(config.world_size)) else None)
-        rows.append(Row("pipeline", "bubble fraction", planned.bubble_fraction, measured_bubble, "fraction"))
+        rows.append(Row("pipeline", "bubble fraction", planned.bubble_fraction, measured_bubble, "fraction",
+                        how=BUBBLE_HOW))
         st = analysis.stage_times(events)
         if len(st) == plan.n_stages:
             times = [(st[s].get("F", 0.0), st[s].get("B", 0.0) or st[s].get("I", 0.0) + st[s].get("W", 0.0))
                      for s in range(plan.n_stages)]
             replay = simulate_schedule(plan.pp_schedule, plan.pp, m, plan.virtual_stages, stage_times=times)
             rows.append(Row("pipeline", "bubble fraction (measured stage times)", replay.bubble_fraction,
-                            measured_bubble, "fraction"))
+                            measured_bubble, "fraction", how=BUBBLE_HOW))
         per_rank = analysis.bubble_fractions(events)
         stride = config.world_size // plan.pp
         for r in range(plan.pp):
             rows.append(Row("pipeline", f"bubble of pp rank {r}", planned.per_rank_bubble[r],
-                            per_rank.get(r * stride), "fraction"))
+                            per_rank.get(r * stride), "fraction", how=BUBBLE_HOW))
 
     # collectives, one rank per pipeline rank
     stride = config.world_size // plan.pp
@@ -286,21 +334,31 @@ def compare_run(run_dir: str | os.PathLike, cluster: "Cluster | None" = None,
 
     # step time
     crit = prediction.critical_pp_rank * stride
-    measured_steps = analysis.step_breakdown(events, crit)  # means per step, components included
-    median = measured_step_time(events, crit)
-    rows.append(Row("step time", "step time", prediction.step_time_s, median[0] if median else None, "s", crit))
     book = bookkeeping_time(events, crit)
+    # means per step, components included; compute never negative (analysis.step_breakdown)
+    measured_steps = analysis.step_breakdown(events, crit, exclude_s=book or 0.0)
+    on_pipeline = crit in analysis.ranks_with(events, "pipeline")
+    median = measured_step_time(events, crit)
+    rows.append(Row("step time", "step time", prediction.step_time_s, median[0] if median else None, "s", crit,
+                    how=f"median of {median[1]} timed steps" if median else ""))
     if book is not None and "compute" in measured_steps:
-        # the scalar calls are in no comm_<dim> (the planner's collectives leave them out), so
-        # the measured compute, the step less everything named, held them: name them
-        measured_steps = dict(measured_steps, compute=measured_steps["compute"] - book)
+        # the scalar calls are in no comm_<dim> (the planner's collectives leave them out): a row of their own
         measured_steps[BOOKKEEPING] = book
     keys = [k for k in prediction.breakdown if k != "compute"] + ["compute"]
     for k in sorted(set(keys) | {k for k in measured_steps if k != "step_time"}, key=lambda k: (k == "compute", k)):
-        rows.append(Row("step time", k, prediction.breakdown.get(k, 0.0), measured_steps.get(k), "s", crit))
-    rows.append(Row("step time", "mfu", prediction.mfu, analysis.mean_mfu(events), "fraction"))
+        rows.append(Row("step time", k, prediction.breakdown.get(k, 0.0), measured_steps.get(k), "s", crit,
+                        how=step_row_how(k, on_pipeline) if k in measured_steps else ""))
+    rows.append(Row("step time", "mfu", prediction.mfu, analysis.mean_mfu(events), "fraction",
+                    how="mean of rank 0's steps"))
     if median:
         notes.append(f"step time measured: median of {median[1]} steps on rank {crit} (the breakdown rows: means)")
+    if "compute" in measured_steps and not on_pipeline:
+        parts = {k: v for k, v in measured_steps.items() if k not in ("step_time", "compute", BOOKKEEPING)}
+        over = analysis.compute_overlap(parts | {"step_time": measured_steps["step_time"]}, book or 0.0)
+        if over > 0:
+            notes.append(f"compute is shown as 0: the calls timed on rank {crit} take {over * 1e3:.2f} ms per step "
+                         "more than the step less its data wait, because asynchronous calls overlap compute (each "
+                         "is counted whole, from start to completion); a derived time is never negative")
     if config.cluster.gpu.name == "cpu":
         if config.cluster.calibration is None:
             notes.append("the step-time rows price a CPU run on the uncalibrated local-cpu preset with the profile's "
@@ -311,4 +369,15 @@ def compare_run(run_dir: str | os.PathLike, cluster: "Cluster | None" = None,
         else:
             notes.append(f"priced on a calibrated cluster ({config.cluster.calibration.source or 'calibration'}) "
                          f"under profile {config.train.profile.name!r} ({config.train.profile.describe_band()})")
-    return Comparison(str(run_dir), config, tuple(rows), tuple(notes))
+    outcome = run_outcome(events, config.world_size)
+    stopped_errors = [e for e in outcome.errors if e.role == "stop"]
+    if stopped_errors:
+        n = len(stopped_errors)
+        notes.append(f"{n} error{'s' if n != 1 else ''} ({_ranks_of(stopped_errors)}: a lost connection to a stopped "
+                     f"rank) {'were' if n != 1 else 'was'} raised by a stop: part of the stop, not a failure")
+    return Comparison(str(run_dir), config, tuple(rows), tuple(notes), outcome.describe())
+
+
+def _ranks_of(marks: list) -> str:
+    rs = sorted({m.rank for m in marks})
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
