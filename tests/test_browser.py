@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from browser.helpers import CHROMIUM, chromium, screenshot, served_app  # tests/browser/
+from browser.helpers import CHROMIUM, OfflinePage, chromium, screenshot, served_app  # tests/browser/
 
 pytestmark = [
     pytest.mark.browser,
@@ -75,9 +75,8 @@ def wait_for_text(page, testid: str, expected: str, timeout_s: float = 20.0) -> 
 def test_planning_story_in_the_browser():
     t0 = time.monotonic()
     with served_app() as url, chromium() as browser:
-        page = browser.new_page(viewport={"width": 1600, "height": 1250})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        off = OfflinePage(browser)  # every request outside 127.0.0.1 aborted and recorded
+        page, errors = off.page, off.errors
         page.goto(url)
         page.get_by_test_id("summary-peak").wait_for(timeout=60_000)
         assert text_of(page, "summary-model") == "tiny"
@@ -171,15 +170,15 @@ def test_planning_story_in_the_browser():
         set_number(page, "n_kv_heads", 8)
         page.get_by_test_id("summary-peak").locator("visible=true").wait_for(timeout=20_000)
         assert not errors, errors
+        assert not off.blocked, f"the page requested outside 127.0.0.1: {sorted(set(off.blocked))}"
     assert time.monotonic() - t0 < 120
 
 
 def test_framework_choice_reprices_the_bill_in_the_browser():
     """Choose the megatron profile on the memory tab: the drawn bill changes and states its profile."""
     with served_app() as url, chromium() as browser:
-        page = browser.new_page(viewport={"width": 1600, "height": 1250})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        off = OfflinePage(browser)  # every request outside 127.0.0.1 aborted and recorded
+        page, errors = off.page, off.errors
         page.goto(url)
         page.get_by_test_id("summary-peak").wait_for(timeout=60_000)
         tab(page, "2 · Memory")
@@ -196,3 +195,4 @@ def test_framework_choice_reprices_the_bill_in_the_browser():
         wait_for_text(page, "summary-framework", "megatron")
         screenshot(page, "10-memory-bill-under-the-megatron-profile")
         assert not errors, errors
+        assert not off.blocked, f"the page requested outside 127.0.0.1: {sorted(set(off.blocked))}"

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from browser.helpers import CHROMIUM, chromium, screenshot, served_app  # tests/browser/
+from browser.helpers import CHROMIUM, OfflinePage, chromium, screenshot, served_app  # tests/browser/
 
 IMG = '<img src=x onerror="window.__pwned=1">'
 SCRIPT = "<script>window.__pwned=1</script>"
@@ -208,7 +208,8 @@ HOSTILE_CONFIGS = [  # (what to paste, the note that shows the outcome, what it 
 def test_hostile_configs_pasted_in_the_model_tab_run_no_script():
     t0 = time.monotonic()
     with served_app() as url, chromium() as browser:
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        off = OfflinePage(browser, viewport=(1400, 1100))  # the outside aborted and recorded
+        page = off.page
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(url)
@@ -231,4 +232,5 @@ def test_hostile_configs_pasted_in_the_model_tab_run_no_script():
         assert page.locator("img[src='x']").count() == 0
         screenshot(page, "11-hostile-config-shown-as-text")
         assert not errors, errors
+        assert not off.blocked, f"the page requested outside 127.0.0.1: {sorted(set(off.blocked))}"
     assert time.monotonic() - t0 < 60

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from browser.helpers import CHROMIUM, chromium, screenshot, served_app  # tests/browser/
+from browser.helpers import CHROMIUM, OfflinePage, chromium, screenshot, served_app  # tests/browser/
 
 pytestmark = [
     pytest.mark.browser,
@@ -56,9 +56,8 @@ def set_field(page, label: str, value) -> None:
 def test_launch_watch_stop_compare_in_the_browser(tmp_path):
     t0 = time.monotonic()
     with served_app(args=("--runs", str(tmp_path))) as url, chromium() as browser:
-        page = browser.new_page(viewport={"width": 1600, "height": 1250})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        off = OfflinePage(browser)  # every request outside 127.0.0.1 aborted and recorded
+        page, errors = off.page, off.errors
         page.goto(url)
         page.get_by_test_id("summary-peak").wait_for(timeout=60_000)
 
@@ -153,4 +152,5 @@ def test_launch_watch_stop_compare_in_the_browser(tmp_path):
         assert re.search(r"parameters", table_b.inner_text())
         screenshot(page, "15-compare-runs-predicted-vs-measured")
         assert not errors, errors
+        assert not off.blocked, f"the page requested outside 127.0.0.1: {sorted(set(off.blocked))}"
     assert time.monotonic() - t0 < 180
