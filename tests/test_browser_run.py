@@ -15,36 +15,13 @@ import time
 
 import pytest
 
-from browser.helpers import CHROMIUM, OfflinePage, chromium, screenshot, served_app  # tests/browser/
+from browser.helpers import (CHROMIUM, OfflinePage, chromium, screenshot, served_app, tab, text_of,  # tests/browser/
+                             wait_until)
 
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is absent (apt-get install chromium)"),
 ]
-
-
-def tab(page, title: str) -> None:
-    page.locator(".bk-tab").get_by_text(title, exact=True).click()
-    time.sleep(0.3)
-
-
-def text_of(page, testid: str) -> str:
-    return page.get_by_test_id(testid).locator("visible=true").first.inner_text()
-
-
-def wait_until(page, testid: str, ok, timeout_s: float = 60.0) -> str:
-    """Poll the text of ``testid`` until ``ok(text)``; return it."""
-    deadline = time.monotonic() + timeout_s
-    now = None
-    while time.monotonic() < deadline:
-        try:
-            now = text_of(page, testid)
-            if ok(now):
-                return now
-        except Exception:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{testid} is {now!r} after {timeout_s} s")
 
 
 def set_field(page, label: str, value) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping
 import panel as pn
 
 from workbench import ConfigError, RunConfig
+from workbench.rundir.record import check_runs_root
 
 from widgets.advisor_view import AdvisorView
 from widgets.bench_view import BenchView
@@ -39,7 +40,7 @@ from widgets.model_view import ModelSketch
 from widgets.pipeline_view import PipelineView
 from widgets.plan_compare_view import PlanCompareView
 from widgets.resources import OfflineFast, SYSTEM_FONT, extension, keep_stylesheets_local
-from widgets.run_session import check_runs_root, session_of
+from widgets.run_session import session_of
 from widgets.serve_auth import resolve_basic_auth
 from widgets.icons import icon
 from widgets.state import PlanState, prediction_of

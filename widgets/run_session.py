@@ -22,8 +22,8 @@ import panel as pn
 import param
 
 from workbench import RunConfig
-from workbench.spec.errors import require
 from workbench.rundir import load_run
+
 from workbench.rundir.tail import EventTail
 
 from widgets.state import PlanState
@@ -37,20 +37,6 @@ Listener = Callable[[list, Any], None]  # (new events, RunStatus or None)
 def default_runs_root() -> str:
     """Where the app keeps run directories: ``$WORKBENCH_RUNS`` or ``runs`` in the working directory."""
     return os.environ.get("WORKBENCH_RUNS", DEFAULT_RUNS_ROOT)
-
-
-def check_runs_root(path: str, field: str = "runs") -> None:
-    """``--runs``: a writable directory, or a name whose folder exists (made at the first launch);
-    ConfigError naming the rule otherwise (as ``workbench serve --runs`` checks it)."""
-    require(bool(path.strip()), f"{field}={path!r} is empty; give the directory runs go under", field=field,
-            value=path)
-    if os.path.exists(path):
-        require(os.path.isdir(path), f"{field}={path!r} is not a directory", field=field, value=path)
-        require(os.access(path, os.W_OK | os.X_OK), f"{field}={path!r} is not writable", field=field, value=path)
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    require(os.path.isdir(parent), f"{field}={path!r} does not exist, nor does its folder {parent!r}", field=field,
-            value=path)
 
 
 class RunSession(param.Parameterized):

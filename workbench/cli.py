@@ -21,6 +21,7 @@ from workbench.spec.errors import ConfigError, check_int, one_line, require
 from workbench.spec.framework import DEFAULT_FRAMEWORK, FRAMEWORKS, resolve_framework
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
+from workbench.rundir.record import check_runs_root
 from workbench.spec.schedules import SCHEDULES
 from workbench.predict.advisor import advise
 from workbench.predict.comms import traffic_by_dim
@@ -230,19 +231,6 @@ def format_bill(config: RunConfig, bill: Any) -> str:
 
 
 # ---------------------------------------------------------------------------- serve
-def check_runs_root(path: str, field: str = "runs") -> None:
-    """``--runs``: a writable directory, or a name whose folder exists (made at the first launch)."""
-    require(bool(path.strip()), f"{field}={path!r} is empty; give the directory runs go under", field=field,
-            value=path)
-    if os.path.exists(path):
-        require(os.path.isdir(path), f"{field}={path!r} is not a directory", field=field, value=path)
-        require(os.access(path, os.W_OK | os.X_OK), f"{field}={path!r} is not writable", field=field, value=path)
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    require(os.path.isdir(parent), f"{field}={path!r} does not exist, nor does its folder {parent!r}", field=field,
-            value=path)
-
-
 @main.command()
 @click.option("--port", type=click.IntRange(1, 65535), default=5006, show_default=True)
 @click.option("--address", default="127.0.0.1", show_default=True,

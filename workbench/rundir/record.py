@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.spec.config import RunConfig
-from workbench.spec.errors import ConfigError
+from workbench.spec.errors import ConfigError, require
 from workbench.rundir.events import ReadReport, open_regular, os_reason, read_events
 
 
@@ -230,3 +230,17 @@ def load_run(path: str | os.PathLike) -> RunRecord:
     manifest = read_json_object(path / "manifest.json", required=False) or {}
     prediction = read_json_object(path / "prediction.json", required=False) or {}
     return RunRecord(path=path, config=config, manifest=manifest, prediction=prediction)
+
+
+def check_runs_root(path: str, field: str = "runs") -> None:
+    """``--runs``: a writable directory, or a name whose folder exists (made at the first launch);
+    ConfigError naming the rule otherwise (as ``workbench serve --runs`` checks it)."""
+    require(bool(path.strip()), f"{field}={path!r} is empty; give the directory runs go under", field=field,
+            value=path)
+    if os.path.exists(path):
+        require(os.path.isdir(path), f"{field}={path!r} is not a directory", field=field, value=path)
+        require(os.access(path, os.W_OK | os.X_OK), f"{field}={path!r} is not writable", field=field, value=path)
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    require(os.path.isdir(parent), f"{field}={path!r} does not exist, nor does its folder {parent!r}", field=field,
+            value=path)
