@@ -35,6 +35,7 @@ from workbench.spec.config import RunConfig
 from workbench.spec.errors import ConfigError, check_choice, check_positive, require
 from workbench.rundir.events import read_events
 from workbench.rundir.record import create_run_dir
+from workbench.rundir.status import STOP_SKEW_S, run_outcome
 from workbench.spec.trainable import check_trainable
 from workbench.launch.agent import MARKER
 from workbench.launch.preflight import (check_data_path, check_max_restarts, check_run_id_free, load_run_config)
@@ -255,9 +256,32 @@ class RunHandle:
         if self._ended() or not self.nodes:
             return self.status()
         self._user_stop = True
+        began = time.time()
         self._stop_nodes([n for n in self.nodes], timeout_s or self.stop_timeout_s, "stopped by the user")
         self.wait(timeout_s=5)
+        self._absolve_stop_echoes(began)
         return self.status()
+
+    def _absolve_stop_echoes(self, began: float) -> None:
+        """A stop reaches the nodes one after another: a node whose ranks lost the connection to an
+        already stopped rank sees its torchrun exit 1 before its own stop call arrives, and its
+        ranks write a peer-lost error. Those are the stop's echo, not failures, when the run's
+        events say so (:func:`workbench.rundir.status.run_outcome`, the one classification of a
+        stop) and the node failed after the stop began; a failure the events do not explain, or
+        one from before the stop, stands."""
+        with self._cond:
+            outcome = run_outcome(self._history, len(self._ranks))
+            last = outcome.attempts - 1
+            if outcome.failures or not any(s.attempt == last for s in outcome.stops):
+                return
+            for node in self.nodes:
+                if node.state == "failed" and node.failed_at >= began - STOP_SKEW_S:
+                    node.state = "stopped"
+                    node.why = "stopped with the job: its ranks lost the connection to a stopped rank"
+            for ro in outcome.ranks:
+                st = self._ranks.get(ro.rank)
+                if st is not None and st.state == "failed" and ro.state == "stopped":
+                    st.state, st.why = "stopped", ro.why
 
     def resume(self) -> "RunHandle":
         """Start the job again, from the latest good checkpoint (``--resume``), with a fresh
