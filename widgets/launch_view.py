@@ -4,8 +4,9 @@ What starts is the shared current plan (``PlanState.config``, set in the plannin
 cluster, degrees, batch, precision) with the trainer's own knobs added here (steps, checkpoint
 interval): :func:`launch_config`. The browser launches only the bundled trainer, with that
 validated RunConfig, never a command line. The backend is where the nodes run: ``local``
-(Jupyter kernels on this machine), ``ssh`` (kernels on the listed hosts) or ``gateway`` (a Jupyter
-Enterprise/Kernel Gateway: URL and token).
+(Jupyter kernels on this machine), ``ssh`` (kernels on the listed hosts), ``gateway`` (a Jupyter
+Enterprise/Kernel Gateway: URL and token) or ``slurm`` (an allocation: partition, account, time
+limit, further sbatch options, checked as the CLI checks them: :class:`SlurmRequest`).
 
 Before anything starts, :func:`blockers` says in one line each (field, value, rule) why this
 machine cannot train the plan: a GPU cluster with no local GPUs to run it on, a model too large for
@@ -35,7 +36,9 @@ import param
 
 from workbench import ConfigError, ModelSpec, RunConfig, estimate_memory
 from workbench.launch import launch
+from workbench.launch.handle import BACKENDS
 from workbench.launch.local import config_from_cli
+from workbench.launch.slurm_options import SlurmRequest
 from workbench.spec.trainable import check_trainable, unsupported
 
 from widgets.icons import icon
@@ -47,14 +50,14 @@ from widgets.state import PlanState
 from widgets.transforms import format_bytes, format_count, recompute_words
 from widgets.ui import FieldErrors, card, cards, error_line, html_pane, muted, table
 
-BACKENDS = ("local", "ssh", "gateway")
 STATE_TONES = {"running": "good", "finished": "good", "failed": "bad", "stopped": "warn", "starting": ""}
 # On CPU a step of a larger model takes minutes: the bundled trainer trains small models there.
 CPU_MAX_PARAMS = 100_000_000
 SMALL_MODEL = "tiny"
-MAX_OFFERED_CPU_RANKS = 8
+MAX_OFFERED_CPU_RANKS = 8  # an offer starts no more processes than a laptop runs comfortably
 MAX_OFFERS = 2
-OWN_FIELDS = ("steps", "checkpoint_every", "hosts", "url")  # the fields of this tab  # an offer starts no more processes than a laptop runs comfortably
+SLURM_FIELDS = ("partition", "account", "time_limit", "extra_sbatch")
+OWN_FIELDS = ("steps", "checkpoint_every", "hosts", "url", *SLURM_FIELDS)  # the fields of this tab
 PRE_STYLE = ("background:#f6f8fa;border:1px solid #d8dee6;border-radius:6px;padding:6px 10px;font-size:12px;"
              "white-space:pre-wrap;overflow-wrap:anywhere;max-height:260px;overflow:auto;margin:2px 0 8px 0;"
              "user-select:text")
@@ -137,12 +140,12 @@ class Blocker:
 
 def blockers(config: RunConfig, backend: str = "local", gpus: int | None = None) -> list[Blocker]:
     """Everything that stops the bundled trainer from running ``config`` from here (empty: it can).
-    ``gpus``: this machine's GPUs (default :func:`local_gpu_count`); the ssh and gateway backends
-    start the nodes elsewhere, so their GPUs are not counted here."""
+    ``gpus``: this machine's GPUs (default :func:`local_gpu_count`); the ssh, gateway and slurm
+    backends start the nodes elsewhere, so their GPUs are not counted here."""
     c, model = config.cluster, config.model
     out: list[Blocker] = []
     on_cpu = c.gpu.name == "cpu"
-    if not on_cpu and backend == "local":
+    if not on_cpu and backend == "local":  # only the local backend starts its nodes on this machine
         have = local_gpu_count() if gpus is None else gpus
         if have < c.world_size:
             mine = f"this machine has {have} GPU{'s' if have != 1 else ''}" if have else "this machine has no GPU"
@@ -213,8 +216,10 @@ def offers(state: PlanState, backend: str = "local", gpus: int | None = None) ->
 
 
 # ---------------------------------------------------------------------------- what the page shows
-def backend_options(backend: str, hosts: str, url: str, token: str) -> dict[str, Any]:
-    """Keyword arguments of ``launch`` for the backend (hosts: comma- or space-separated)."""
+def backend_options(backend: str, hosts: str, url: str, token: str, *, partition: str = "", account: str = "",
+                    time_limit: str = "", extra_sbatch: str = "") -> dict[str, Any]:
+    """Keyword arguments of ``launch`` for the backend (hosts: comma- or space-separated;
+    ``extra_sbatch``: whitespace-separated ``--option=value`` items). ConfigError names the field."""
     if backend == "ssh":
         names = [h for h in hosts.replace(",", " ").split() if h]
         if not names:
@@ -225,7 +230,17 @@ def backend_options(backend: str, hosts: str, url: str, token: str) -> dict[str,
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"url={url!r} must be an http(s) URL of the gateway", field="url", value=url)
         return {"url": url, "token": token or None}
+    if backend == "slurm":
+        return slurm_options(partition, account, time_limit, extra_sbatch)
     return {}
+
+
+def slurm_options(partition: str, account: str, time_limit: str, extra_sbatch: str) -> dict[str, Any]:
+    """The slurm backend's options from the form's text, checked by :class:`SlurmRequest` (the
+    CLI's rules): empty fields are Slurm's defaults (None)."""
+    request = SlurmRequest(partition=partition.strip() or None, account=account.strip() or None,
+                           time_limit=time_limit.strip() or None, extra_sbatch=tuple(extra_sbatch.split()))
+    return request.to_dict()
 
 
 def status_html(status: Any, run_dir: str, replay: bool, digest_note: str = "") -> Html:
@@ -303,6 +318,10 @@ class LaunchView(pn.viewable.Viewer):
     hosts = param.String(default="", doc="ssh: host names, comma-separated (node 0 first)")
     url = param.String(default="", doc="gateway: its URL")
     token = param.String(default="", doc="gateway: its token (never written to disk)")
+    partition = param.String(default="", doc="slurm: the partition (several: comma-separated; empty: the default)")
+    account = param.String(default="", doc="slurm: the account to charge (empty: the user's default)")
+    time_limit = param.String(default="", doc="slurm: the allocation's time limit (empty: the partition's)")
+    extra_sbatch = param.String(default="", doc="slurm: further --option=value items, whitespace-separated")
     steps = param.Integer(default=40, allow_None=True)
     checkpoint_every = param.Integer(default=0, allow_None=True)
     gpus = param.Integer(default=None, allow_None=True, doc="This machine's GPUs (None: look)")
@@ -317,6 +336,7 @@ class LaunchView(pn.viewable.Viewer):
         self._hosts = self._errors.wrap("hosts", pn.widgets.TextInput.from_param(p.hosts, label="hosts", width=260))
         self._url = self._errors.wrap("url", pn.widgets.TextInput.from_param(p.url, label="gateway URL", width=260))
         self._token = pn.widgets.PasswordInput.from_param(p.token, label="token", width=160)
+        self._slurm = self._slurm_inputs()
         self._fields = [
             self._errors.wrap("steps", pn.widgets.IntInput.from_param(p.steps, label="steps", width=90, start=1)),
             self._errors.wrap("checkpoint_every", pn.widgets.IntInput.from_param(
@@ -359,10 +379,21 @@ class LaunchView(pn.viewable.Viewer):
         self._show_plan()
 
     # ---- inputs
+    def _slurm_inputs(self) -> list[pn.Column]:
+        """The slurm backend's boxes, each with its error line under it."""
+        boxes = [("partition", "partition", "the default", 150), ("account", "account", "the default", 150),
+                 ("time_limit", "time limit", "1:00:00", 100),
+                 ("extra_sbatch", "extra sbatch options", "--qos=high --constraint=h100", 280)]
+        return [self._errors.wrap(name, pn.widgets.TextInput.from_param(self.param[name], label=label,
+                                                                         placeholder=hint, width=width))
+                for name, label, hint, width in boxes]
+
     @param.depends("backend", watch=True)
     def _show_backend_fields(self) -> None:
         self._hosts.visible = self.backend == "ssh"
         self._url.visible = self._token.visible = self.backend == "gateway"
+        for box in self._slurm:
+            box.visible = self.backend == "slurm"
 
     def launch_config(self) -> RunConfig:
         """What Start runs: the current plan with steps and checkpoints (ConfigError names the field)."""
@@ -381,7 +412,9 @@ class LaunchView(pn.viewable.Viewer):
         if found:
             raise ConfigError(found[0].line(), field=found[0].field, value=found[0].value)
         check_trainable(config)
-        return config, backend_options(self.backend, self.hosts, self.url, self.token)
+        return config, backend_options(self.backend, self.hosts, self.url, self.token, partition=self.partition,
+                                       account=self.account, time_limit=self.time_limit,
+                                       extra_sbatch=self.extra_sbatch)
 
     @param.depends("backend", "steps", "checkpoint_every", "gpus", watch=True)
     def _show_plan(self, *_: Any) -> None:
@@ -529,8 +562,9 @@ class LaunchView(pn.viewable.Viewer):
                 self._plan,
                 self._verdict,
                 self._offers,
-                pn.Row(pn.pane.Markdown("**Backend**", margin=(26, 0, 0, 10)), self._backend,
-                       self._hosts, self._url, self._token),
+                # a FlexBox: the slurm boxes wrap onto a second line rather than run off a narrow page
+                pn.FlexBox(pn.pane.Markdown("**Backend**", margin=(26, 0, 0, 10)), self._backend,
+                           self._hosts, self._url, self._token, *self._slurm),
                 pn.FlexBox(*self._fields, self._start, self._stop, self._resume),
                 self._errors.general,
                 pn.Row(self._spinner, self._progress),

@@ -33,9 +33,13 @@ from workbench.rundir.benchmarks import format_table
 from workbench.rundir.compare import compare_run
 from workbench.rundir.measured import load_measured
 from workbench.launch.benchmark import run_comms_benchmark
+from workbench.launch.follow import start_and_follow
+from workbench.launch.handle import TERMINAL, launch as launch_run, open_run
+from workbench.launch.kernels import KernelError
+from workbench.launch.slurm_options import SlurmRequest
 from workbench.launch.local import STOP_TIMEOUT_S, config_from_cli, resume_local, train_local
 from workbench.launch.outcome import EXIT_BAD_INPUT, EXIT_CODES
-from workbench.launch.preflight import check_launch, check_run_id_free, load_config_file
+from workbench.launch.preflight import check_launch, check_run_id_free, load_config_file, load_run_config
 from workbench.bench import calibration_report, format_fit, run_compute_benchmark
 
 GiB = float(1 << 30)
@@ -342,6 +346,242 @@ def train(model: str, plan_text: str, steps: int, config_path: str | None, run_r
     sys.exit(train_local(config, run_root=run_root, run_id=run_id, stream=click.echo, max_restarts=max_restarts))
 
 
+# ---------------------------------------------------------------------------- launch
+LAUNCH_BACKENDS = ("local", "ssh", "gateway", "slurm")
+GATEWAY_TOKEN_ENV = "WORKBENCH_GATEWAY_TOKEN"  # never an option: a command line is visible to every user
+# Backend options (by parameter name) and the backends that take them; any other backend refuses
+# them, instead of starting a run that silently ignores what the user asked for.
+BACKEND_OPTIONS: dict[str, tuple[str, ...]] = {
+    "hosts": ("ssh",), "hosts_file": ("ssh",), "identity_file": ("ssh",), "known_hosts_file": ("ssh",),
+    "url": ("gateway",),
+    "partition": ("slurm",), "account": ("slurm",), "time_limit": ("slurm",), "sbatch_args": ("slurm",),
+    "remote_root": ("ssh", "gateway", "slurm"), "shared_run_root": ("ssh", "gateway", "slurm"),
+}
+SLURM_OPTIONS = ("partition", "account", "time_limit", "sbatch_args")
+SLURM_FLAGS = {"partition": "--partition", "account": "--account", "time_limit": "--time-limit",
+               "extra_sbatch": "--sbatch-arg"}  # SlurmRequest's fields -> the options they come from
+LAUNCH_CONFIG_FILE_OPTIONS = ("config_path", "run_root", "run_id", "max_restarts", "join_timeout", "backend",
+                              *BACKEND_OPTIONS)
+
+
+def _launch_help() -> str:
+    import inspect
+
+    text = inspect.cleandoc(f"""Launch the bundled trainer through Jupyter kernels, one per node, and follow it to its end.
+
+    \b
+    --backend local    kernels on this machine (the local-cpu cluster: one node per 2 ranks)
+    --backend ssh      kernels on --hosts (or --hosts-file), one [user@]host[:port] per node
+    --backend gateway  kernels of the Kernel Gateway at --url (token from ${GATEWAY_TOKEN_ENV})
+    --backend slurm    kernels on the nodes of a Slurm allocation (--partition, --account,
+                       --time-limit, --sbatch-arg --option[=value], repeatable)
+
+    The run is the --config file's RunConfig, or the one the --model, --plan, --steps... options
+    describe (as for workbench train). Everything is checked before anything starts: a bad value
+    is one line naming the option, exit status 2.
+
+    While the run goes: a line per node whenever its state changes, a line per step of rank 0,
+    every error, checkpoint and fault, and a final line. SIGINT (Ctrl-C) and SIGTERM stop the run
+    (SIGTERM to every node's torchrun and ranks, SIGKILL to what is left after the stop timeout);
+    the kernels are ended however the run ends.
+
+    --resume RUN_DIR starts a launched run that has ended (stopped, failed or finished) again from
+    its latest good checkpoint, with its own config.json and backend, on new kernels; no other
+    option may be given with it.
+
+    \b
+    Exit status:""")
+    return text + "".join(f"\n  {code:>3}  {what}" for code, what in EXIT_CODES.items())
+
+
+def run_config_options(f: Callable) -> Callable:
+    """The RunConfig of a launched run, as ``workbench train`` takes it (see :func:`config_from_cli`)."""
+    opts = [
+        click.option("--model", default="tiny", show_default=True, help="Model preset."),
+        click.option("--plan", "plan_text", default="", help='Plan, e.g. "dp_shard=4" (unset degrees are 1).'),
+        click.option("--steps", type=int, default=50, show_default=True, help="Steps to train."),
+        click.option("--config", "config_path", type=click.Path(), default=None, help="A RunConfig JSON file instead."),
+        click.option("--seq", "seq_len", type=int, default=None, help="Sequence length (default 64)."),
+        click.option("--mbs", "micro_batch_size", type=int, default=None, help="Micro-batch size (default 2)."),
+        click.option("--gbs", "global_batch_size", type=int, default=None, help="Global batch in sequences."),
+        click.option("--lr", type=float, default=None),
+        click.option("--seed", type=int, default=None),
+        click.option("--deterministic", is_flag=True, default=False, help="Bit-identical losses across runs."),
+        click.option("--dataset", default=None, help="pydoc (default) | synthetic | text | bin."),
+        click.option("--data-path", default=None, help="Text file or uint16 .bin for --dataset text/bin (absolute)."),
+        click.option("--checkpoint-every", type=int, default=None, help="Checkpoint every N steps (and at the end)."),
+        click.option("--checkpoint-async", is_flag=True, default=False,
+                     help="Save with torch.distributed.checkpoint's async_save."),
+        click.option("--checkpoint-keep", type=int, default=None, help="Keep the last K committed checkpoints (default 3)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def slurm_options(f: Callable) -> Callable:
+    """What a run asks of Slurm (checked by :class:`SlurmRequest`)."""
+    opts = [
+        click.option("--partition", default=None, help="slurm: the partition(s), comma-separated."),
+        click.option("--account", default=None, help="slurm: the account to charge."),
+        click.option("--time-limit", default=None, help='slurm: the time limit ("30", "1:30:00", "2-00:00:00").'),
+        click.option("--sbatch-arg", "sbatch_args", multiple=True,
+                     help="slurm: one more salloc/sbatch option, --option or --option=value (repeatable)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _either(names: tuple[str, ...]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def refuse_other_backends_options(ctx: click.Context, given: list[str], backend: str,
+                                  names: tuple[str, ...] | None = None) -> None:
+    """One line for a backend option given with a backend that does not take it (``names``: the
+    options to look at, default every one of :data:`BACKEND_OPTIONS`)."""
+    flags = {p.name: p.opts[0] for p in ctx.command.params if p.name and p.opts}
+    for name in given:
+        owners = BACKEND_OPTIONS.get(name)
+        if owners and backend not in owners and (names is None or name in names):
+            raise ConfigError(f"{flags[name]} is an option of --backend {_either(owners)}, not {backend}",
+                              field=name, value=backend)
+
+
+def slurm_request(partition: str | None, account: str | None, time_limit: str | None,
+                  sbatch_args: tuple[str, ...]) -> SlurmRequest:
+    """The slurm options as a checked :class:`SlurmRequest`; an error names the option it came from."""
+    try:
+        return SlurmRequest(partition, account, time_limit, tuple(sbatch_args))
+    except ConfigError as e:
+        flag = SLURM_FLAGS.get(e.field or "", "--backend slurm")
+        raise ConfigError(f"{flag}: {e}", field=e.field, value=e.value) from None
+
+
+def slurm_backend_options(request: SlurmRequest) -> dict[str, Any]:
+    """A checked SlurmRequest as the slurm backend's options (unset ones keep its defaults)."""
+    options = {k: v for k, v in request.to_dict().items() if k != "extra_sbatch" and v is not None}
+    if request.extra_sbatch:
+        options["extra_sbatch"] = tuple(request.extra_sbatch)
+    return options
+
+
+def launch_backend_options(backend: str, config: RunConfig, given: list[str], values: dict[str, Any]) -> dict[str, Any]:
+    """The given backend options of ``values`` as launch()'s keyword arguments, each checked
+    where it can be before anything starts."""
+    options = {n: values[n] for n in ("remote_root", "shared_run_root") if n in given}
+    if backend == "ssh":
+        hosts = [h.strip() for h in (values["hosts"] or "").split(",") if h.strip()]
+        require(not (hosts and values["hosts_file"]), "give --hosts or --hosts-file, not both", field="hosts")
+        require(bool(hosts or values["hosts_file"] or getattr(config.cluster, "hosts", None)),
+                f"--backend ssh needs --hosts (comma-separated [user@]host[:port], one per node: "
+                f"{config.cluster.nodes} here) or --hosts-file", field="hosts")
+        if hosts:
+            options["hosts"] = hosts
+        options.update({n: values[n] for n in ("hosts_file", "identity_file", "known_hosts_file") if values[n]})
+    elif backend == "gateway":
+        require(bool(values["url"]), f"--backend gateway needs --url (the Kernel Gateway's URL; its token comes "
+                                     f"from ${GATEWAY_TOKEN_ENV})", field="url")
+        options["url"] = values["url"]
+        if os.environ.get(GATEWAY_TOKEN_ENV):
+            options["token"] = os.environ[GATEWAY_TOKEN_ENV]
+    elif backend == "slurm":
+        options.update(slurm_backend_options(slurm_request(*(values[n] for n in SLURM_OPTIONS))))
+    return options
+
+
+def launch_and_follow(config: RunConfig, backend: str, options: dict[str, Any], run_root: str,
+                      run_id: str | None, max_restarts: int, join_timeout: float) -> int:
+    """Launch ``config`` and follow it to its end (:func:`workbench.launch.follow.start_and_follow`)."""
+    def start() -> Any:
+        return launch_run(config, backend, run_root=run_root, run_id=run_id, max_restarts=max_restarts,
+                          join_timeout_s=join_timeout, **options)
+
+    def announce(run: Any) -> str:
+        c = config.cluster
+        return (f"run {run.path}  ({config.world_size} ranks on {c.nodes} node{'s' if c.nodes > 1 else ''} "
+                f"x {c.gpus_per_node}, {backend} kernels, {config.plan.describe()})")
+
+    try:
+        return start_and_follow(start, click.echo, config.train.steps, announce)
+    except KernelError as e:  # launch() has ended the kernels that did start: nothing is left running
+        raise click.ClickException(f"could not start the run: {e}") from None  # exit status 1 (EXIT_FAILED)
+
+
+def resume_and_follow(resume_dir: str) -> int:
+    """``--resume RUN_DIR``: a launched run that has ended, started again from its latest good
+    checkpoint on new kernels (:meth:`RunHandle.resume`), followed to its end."""
+    load_run_config(resume_dir, field="resume")  # not a run directory: one line naming --resume
+    run = open_run(resume_dir)
+    state = run.status().state
+    if not run.nodes:
+        run.close()
+        raise ConfigError(f"resume={resume_dir!r} was not launched through kernels: continue it with "
+                          f"workbench train --resume {resume_dir}", field="resume", value=resume_dir)
+    if state not in TERMINAL:
+        run.close()  # leave it as it is: it is another driver's live run
+        raise ConfigError(f"resume={resume_dir!r} is {state}: a run is resumed once it has ended (stop it first)",
+                          field="resume", value=resume_dir)
+    config = run.config
+    skip = len(run.history())  # the earlier attempts' events are not printed again
+
+    def announce(r: Any) -> str:
+        return f"resume {r.path}  ({config.world_size} ranks, {config.plan.describe()}, attempt {r.attempt})"
+
+    try:
+        return start_and_follow(run.resume, click.echo, config.train.steps, announce, skip=skip)
+    except KernelError as e:
+        run.shutdown()  # the kernels that did start
+        raise click.ClickException(f"could not resume the run: {e}") from None  # exit status 1 (EXIT_FAILED)
+    except KeyboardInterrupt:  # a second signal during the start: end what it started, then "interrupted"
+        run.shutdown()
+        raise
+
+
+@main.command("launch", help=_launch_help())
+@click.option("--backend", type=click.Choice(LAUNCH_BACKENDS), default="local", show_default=True,
+              help="Where the nodes' kernels run.")
+@run_config_options
+@click.option("--runs", "run_root", default="runs", show_default=True, help="Where run directories go.")
+@click.option("--run-id", default=None)
+@click.option("--max-restarts", type=int, default=0, show_default=True, help="torchrun restarts after a fault.")
+@click.option("--join-timeout", type=float, default=120.0, show_default=True,
+              help="Seconds the nodes may take to meet at the rendezvous.")
+@click.option("--resume", "resume_dir", type=click.Path(), default=None, metavar="RUN_DIR",
+              help="Start the launched run RUN_DIR again from its latest good checkpoint.")
+@click.option("--hosts", default=None, help="ssh: comma-separated [user@]host[:port], one per node.")
+@click.option("--hosts-file", type=click.Path(), default=None, help="ssh: a file of hosts, one per line.")
+@click.option("--identity-file", type=click.Path(), default=None, help="ssh: the private key.")
+@click.option("--known-hosts-file", type=click.Path(), default=None, help="ssh: the known_hosts file to check.")
+@click.option("--url", default=None, help=f"gateway: the Kernel Gateway URL (token from ${GATEWAY_TOKEN_ENV}).")
+@slurm_options
+@click.option("--remote-root", default=None,
+              help="ssh, gateway, slurm: where run directories go on the nodes (default ~/.workbench/runs).")
+@click.option("--shared-run-root", is_flag=True, default=False,
+              help="ssh, gateway, slurm: the nodes share this machine's disk (they write into the run directory).")
+def launch_command(backend: str, model: str, plan_text: str, steps: int, config_path: str | None, run_root: str,
+                   run_id: str | None, max_restarts: int, join_timeout: float, resume_dir: str | None,
+                   **kw: Any) -> None:
+    ctx = click.get_current_context()
+    given = _given_options(ctx)
+    if resume_dir is not None:  # "" too: a given path that names no run is an error, not a new run
+        flags = {p.name: p.opts[0] for p in ctx.command.params if p.name and p.opts}
+        extra = [n for n in given if n != "resume_dir"]
+        require(not extra, f"{', '.join(flags[n] for n in extra)} cannot be given with --resume: the run continues "
+                           "with its own config.json and backend", field=extra[0] if extra else None)
+        sys.exit(resume_and_follow(resume_dir))
+    refuse_other_backends_options(ctx, given, backend)
+    backend_values = {n: kw.pop(n) for n in BACKEND_OPTIONS}
+    if config_path is not None:
+        _refuse_options(ctx, given, LAUNCH_CONFIG_FILE_OPTIONS, "--config: the file holds the whole RunConfig")
+        config = load_config_file(config_path, field="config")
+    else:
+        config = config_from_cli(model, plan_text, steps, **{k: v for k, v in kw.items() if k in given})
+    options = launch_backend_options(backend, config, given, backend_values)
+    sys.exit(launch_and_follow(config, backend, options, run_root, run_id, max_restarts, join_timeout))
+
+
 # ---------------------------------------------------------------------------- compare
 @main.command()
 @click.argument("run_dir", type=click.Path())
@@ -374,22 +614,29 @@ def bench() -> None:
               help="Cluster preset or a cluster JSON file.")
 @click.option("--nodes", type=int, default=2, show_default=True)
 @click.option("--plan", "plan_text", default="", help='Plan whose groups to measure, e.g. "tp=2,dp_shard=2".')
-@click.option("--backend", type=click.Choice(["local", "ssh", "gateway", "torchrun"]), default="local", show_default=True,
-              help="The launcher of training runs (Jupyter kernels: local, ssh, gateway), or plain local torchrun.")
+@click.option("--backend", type=click.Choice(["local", "ssh", "gateway", "slurm", "torchrun"]), default="local",
+              show_default=True,
+              help="The launcher of training runs (Jupyter kernels: local, ssh, gateway, slurm), or plain local torchrun.")
 @click.option("--hosts", default=None, help="ssh: comma-separated [user@]host[:port], one per node.")
 @click.option("--url", default=None, help="gateway: the Kernel Gateway URL (token from $WORKBENCH_GATEWAY_TOKEN).")
+@slurm_options
 @click.option("--max-bytes", type=int, default=None, help="Largest message (default 256 MiB on GPU, 16 MiB on CPU).")
 @click.option("--runs", "run_root", default="runs", show_default=True)
 def bench_comms(cluster_name: str, nodes: int, plan_text: str, backend: str, hosts: str | None, url: str | None,
+                partition: str | None, account: str | None, time_limit: str | None, sbatch_args: tuple[str, ...],
                 max_bytes: int | None, run_root: str) -> None:
     """All-reduce, all-gather, reduce-scatter, all-to-all and send/recv from 8 B up, per group dimension."""
     require(backend != "gateway" or bool(url), "--backend gateway needs --url (the Kernel Gateway's URL)", field="url")
     require(backend != "ssh" or bool(hosts), "--backend ssh needs --hosts (one [user@]host[:port] per node)",
             field="hosts")
+    ctx = click.get_current_context()
+    refuse_other_backends_options(ctx, _given_options(ctx), backend, SLURM_OPTIONS)
     if max_bytes is not None:
         check_int("max_bytes", max_bytes, minimum=8)
-    cluster = load_cluster(cluster_name, nodes)
     options: dict[str, Any] = {}
+    if backend == "slurm":  # checked before the benchmark sizes anything
+        options.update(slurm_backend_options(slurm_request(partition, account, time_limit, sbatch_args)))
+    cluster = load_cluster(cluster_name, nodes)
     if hosts:
         options["hosts"] = [h.strip() for h in hosts.split(",") if h.strip()]
     if url:

@@ -41,9 +41,10 @@ from workbench.launch.agent import MARKER
 from workbench.launch.preflight import (check_data_path, check_max_restarts, check_run_id_free, load_run_config)
 from workbench.launch.gateway import GatewayBackend
 from workbench.launch.kernels import KernelChannel, KernelError, LocalBackend, bootstrap_code
+from workbench.launch.slurm import SlurmBackend
 from workbench.launch.ssh import SSHBackend
 
-BACKENDS = ("local", "ssh", "gateway")
+BACKENDS = ("local", "ssh", "gateway", "slurm")
 STATES = ("starting", "running", "finished", "failed", "stopped")
 TERMINAL = ("finished", "failed", "stopped")
 POLL_S = 0.1
@@ -129,7 +130,7 @@ class _Rank:
 
 
 def make_backend(name: str, config: RunConfig, **options: Any):
-    """The backend object for ``name`` (``local``, ``ssh``, ``gateway``) and its options. An
+    """The backend object for ``name`` (``local``, ``ssh``, ``gateway``, ``slurm``) and its options. An
     unknown or missing option is a ConfigError naming it (not the constructor's TypeError)."""
     check_choice("backend", name, BACKENDS)
     if name == "local":
@@ -138,6 +139,8 @@ def make_backend(name: str, config: RunConfig, **options: Any):
         if not options.get("hosts") and not options.get("hosts_file") and getattr(config.cluster, "hosts", None):
             options["hosts"] = list(config.cluster.hosts)  # a Cluster that names its hosts
         return SSHBackend(config.cluster.nodes, **_backend_options(SSHBackend, name, options, "nodes"))
+    if name == "slurm":
+        return SlurmBackend(config.cluster.nodes, **_backend_options(SlurmBackend, name, options, "nodes"))
     return GatewayBackend(**_backend_options(GatewayBackend, name, options))
 
 
@@ -185,6 +188,9 @@ class RunHandle:
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(nodes)), thread_name_prefix="workbench-run")
         self._closed = threading.Event()
         self._monitor: threading.Thread | None = None
+        # A scheduler's allocation (the slurm backend) is given back once the run has ended.
+        self._release_lock = threading.Lock()
+        self._released = False
 
     # ---- public API
 
@@ -260,6 +266,7 @@ class RunHandle:
         self._stop_nodes([n for n in self.nodes], timeout_s or self.stop_timeout_s, "stopped by the user")
         self.wait(timeout_s=5)
         self._absolve_stop_echoes(began)
+        self._release_allocation()
         return self.status()
 
     def _absolve_stop_echoes(self, began: float) -> None:
@@ -288,11 +295,19 @@ class RunHandle:
         rendezvous id; nodes whose kernel has gone get a new one."""
         if self._run_state() not in TERMINAL:
             raise RuntimeError(f"run {self.run_id} is {self._run_state()}: stop() it first, or restart()")
-        for node in self.nodes:
-            if node.channel is None or not node.channel.alive():
-                self._start_kernel(node)
-        self.attempt += 1
-        self._start_attempt(resume=True)
+        try:
+            for node in self.nodes:
+                if node.channel is None or not node.channel.alive():
+                    self._start_kernel(node)
+            self.attempt += 1
+            self._start_attempt(resume=True)
+        except BaseException:
+            self._released = False  # what was allocated for the attempt goes back
+            self._release_allocation()
+            raise
+        # Only now: until the nodes are starting, the monitor would take the ended run's state
+        # for this attempt's and give the new allocation back.
+        self._released = False
         return self
 
     def restart(self) -> "RunHandle":
@@ -328,7 +343,27 @@ class RunHandle:
             if node.channel is not None:
                 node.channel.shutdown()
                 node.channel = None
+        self._release_allocation()
         return status
+
+    def _release_allocation(self) -> None:
+        """Give a scheduler's allocation back (the backend's ``release``: scancel, and wait until
+        the queue no longer holds the job) once the run has ended: after a stop, a failure, the
+        last step. Every event is in by then (:meth:`_done`); the kernels end with the allocation,
+        so their channels are closed first. A resume asks for a new allocation."""
+        release = getattr(self.backend, "release", None)
+        if release is None:
+            return
+        with self._release_lock:
+            if self._released:
+                return
+            self._released = True
+            for node in self.nodes:
+                channel, node.channel = node.channel, None
+                if channel is not None:
+                    channel.close()
+            release()
+            self._save_launch()
 
     def __repr__(self) -> str:
         return f"RunHandle({str(self.path)!r}, {self._run_state()})"
@@ -345,6 +380,9 @@ class RunHandle:
     def _start_kernel(self, node: _Node) -> None:
         node.channel = None
         node.channel = self.backend.start(self.path, node.index)
+        address_of = getattr(self.backend, "address_of", None)
+        if address_of is not None:  # a new allocation may have given other nodes
+            node.addr = address_of(node.index)
         self._apply_status(node, node.channel.call(bootstrap_code(node.index)))
 
     def _start_attempt(self, resume: bool) -> None:
@@ -432,6 +470,8 @@ class RunHandle:
                 last_liveness = time.time()
                 self._check_liveness()
             self._check_faults()
+            if not self._released and self._done():
+                self._release_allocation()
             with self._cond:
                 self._cond.notify_all()
             time.sleep(POLL_S)
@@ -531,8 +571,11 @@ class RunHandle:
             except Exception:  # noqa: BLE001
                 alive = False
             if not alive and not (node.state == "failed" and node.why.startswith("kernel")):
+                # a scheduler that ended the job says why (Slurm: scancel, time limit, node failure)
+                end_reason = getattr(self.backend, "end_reason", None)
+                reason = end_reason() if end_reason is not None else None
                 with self._cond:
-                    node.state, node.why = "failed", f"kernel died while {node.state}"
+                    node.state, node.why = "failed", reason or f"kernel died while {node.state}"
                     node.failed_at = node.last_seen or time.time()
                     node.channel = None
 
@@ -713,6 +756,8 @@ def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.Path
         _check_local_data_path(config)
     check_run_id_free(run_root, run_id)  # names a live run's pid; create_run_dir refuses any taken id
     path = create_run_dir(config, run_root, run_id)
+    if hasattr(be, "prepare"):  # a scheduler's backend logs and records its allocation there
+        be.prepare(path)
     addrs = be.node_addresses(config.cluster.nodes)
     nodes = [_Node(i, addrs[i], be.run_dir_of(path, i)) for i in range(config.cluster.nodes)]
     run = RunHandle(path, config, be, nodes, env=env, join_timeout_s=join_timeout_s, max_restarts=max_restarts,
@@ -723,6 +768,8 @@ def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.Path
         for n in nodes:
             if n.channel is not None:
                 n.channel.shutdown()
+        if hasattr(be, "release"):
+            be.release()
         raise KernelError(f"could not start the kernels ({bad})")
     run._start_attempt(resume=False)
     return run
@@ -767,6 +814,8 @@ def open_run(path: str | os.PathLike, **backend_options: Any) -> RunHandle:
     options = dict(data.get("backend_options") or {})
     options.update(backend_options)
     be = make_backend(data["backend"], config, **options)
+    if hasattr(be, "prepare"):
+        be.prepare(path)
     nodes = [_Node(d["node"], d["addr"], d["run_dir"], host=d.get("host", "")) for d in data["nodes"]]
     run = RunHandle(path, config, be, nodes, env=data.get("env"), join_timeout_s=data.get("join_timeout_s", 120),
               max_restarts=data.get("max_restarts", 0), stop_timeout_s=data.get("stop_timeout_s", 10),

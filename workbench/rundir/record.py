@@ -111,6 +111,24 @@ def create_run_dir(config: RunConfig, root: str | os.PathLike = "runs", run_id: 
     return path
 
 
+def record_allocation(run_dir: Path, allocation: dict[str, Any]) -> None:
+    """Append a scheduler's allocation (``{"scheduler": "slurm", "job_id": ..., "nodelist": ...}``)
+    to ``manifest.json``'s ``allocations``, with the time it was granted; a resume with a new
+    allocation adds one more. The manifest is replaced atomically."""
+    path = Path(run_dir) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, UnicodeDecodeError, ValueError):
+        manifest = {}
+    if not isinstance(manifest, dict):
+        manifest = {}
+    manifest.setdefault("allocations", []).append(
+        dict(allocation, time=_dt.datetime.now(_dt.timezone.utc).isoformat()))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, path)
+
+
 @dataclass(frozen=True)
 class RunRecord:
     """A run directory on disk, read back (a live run you control is a
