@@ -18,6 +18,8 @@ The torchrun jobs run through tests/dist.py, each once, when a test first needs 
 
 from __future__ import annotations
 
+import os
+
 import time
 from pathlib import Path
 
@@ -88,7 +90,10 @@ def worker(root: str, layouts: list[str]) -> None:
             print(f"{text}: {wall:.1f}s, cpu/wall per rank {shares}", flush=True)
 
 
-JOBS = {2: BUBBLES[2], 4: COMPARE_4 + BUBBLES[4]}  # world size -> its layouts, in one torchrun job
+# The pp=4 bubbles are reported, never asserted, on 2 shared cores (see _OVERSUBSCRIBED below): their
+# three runs (about a minute of CI) are opt-in, WORKBENCH_LONG_TESTS=1, as test_recovery's long case.
+LONG = bool(os.environ.get("WORKBENCH_LONG_TESTS"))
+JOBS = {2: BUBBLES[2], 4: COMPARE_4 + (BUBBLES[4] if LONG else [])}  # world size -> its layouts, in one torchrun job
 
 
 def run_job(world: int, layouts: list[str], root: Path) -> None:
@@ -160,7 +165,8 @@ _OVERSUBSCRIBED = pytest.mark.xfail(reason="4 ranks on 2 shared CPU cores: measu
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("text", BUBBLES[2] + [pytest.param(t, marks=_OVERSUBSCRIBED) for t in BUBBLES[4]])
+@pytest.mark.parametrize("text", BUBBLES[2] + [pytest.param(t, marks=[_OVERSUBSCRIBED, pytest.mark.skipif(
+    not LONG, reason="long: set WORKBENCH_LONG_TESTS=1")]) for t in BUBBLES[4]])
 def test_bubble_fraction_matches_the_schedule(runs, text):
     from workbench.rundir.compare import compare_run
 

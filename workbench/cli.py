@@ -558,8 +558,9 @@ def resume_and_follow(resume_dir: str) -> int:
 @slurm_options
 @click.option("--remote-root", default=None,
               help="ssh, gateway, slurm: where run directories go on the nodes (default ~/.workbench/runs).")
-@click.option("--shared-run-root", is_flag=True, default=False,
-              help="ssh, gateway, slurm: the nodes share this machine's disk (they write into the run directory).")
+@click.option("--shared-run-root/--no-shared-run-root", default=None,
+              help="ssh, gateway, slurm: the nodes share this machine's disk (they write into the run directory); "
+                   "default: yes for slurm, no for ssh and gateway.")
 def launch_command(backend: str, model: str, plan_text: str, steps: int, config_path: str | None, run_root: str,
                    run_id: str | None, max_restarts: int, join_timeout: float, resume_dir: str | None,
                    **kw: Any) -> None:

@@ -125,8 +125,12 @@ def _run_through_launcher(spec: BenchSpec, backend: str, run_root: str | os.Path
     finally:
         run.shutdown()
     out = Path(run.path) / "comms.json"
-    if status.state != "finished" or not out.exists():
+    if status.state != "finished":
         raise RuntimeError(f"benchmark through the {backend} launcher ended {status.state}: {status.why}")
+    if not out.exists():
+        raise RuntimeError(f"benchmark through the {backend} launcher finished, but node 0 wrote comms.json under "
+                           f"its own run directory, not in {out}: run it with shared_run_root=True (a file system "
+                           "the nodes share with this machine)")
     results = load_results(out)
     require(isinstance(results, CommsResults), "comms.json is not a comms results file", field="results")
     stream(f"done: {out} ({results.wall_s:.1f} s)")

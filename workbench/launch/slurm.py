@@ -33,6 +33,12 @@ ends the srun steps and so the kernels; :meth:`SlurmBackend.end_reason` then giv
 word for it (``JobState`` and ``Reason`` of ``scontrol show job``), which the run reports as the
 cause. The job id and node list of every allocation go into the run's ``manifest.json``
 (``allocations``).
+
+Run directories. A Slurm cluster's login and compute nodes share a file system, so by default
+(``shared_run_root=True``) the nodes write into the driver's run directory itself: checkpoints
+are there for a resume on other nodes, and the benchmark's results for the driver. Where the
+runs folder is not shared, ``shared_run_root=False`` puts each node's copy under
+``remote_root/<run id>`` and the driver keeps its own from the events streamed over the kernels.
 """
 
 from __future__ import annotations
@@ -325,7 +331,7 @@ class SlurmBackend:
 
     def __init__(self, nodes: int, partition: str | None = None, account: str | None = None,
                  time_limit: str | None = None, extra_sbatch: list[str] | tuple[str, ...] = (),
-                 python: str = "python3", remote_root: str = "~/.workbench/runs", shared_run_root: bool = False,
+                 python: str = "python3", remote_root: str = "~/.workbench/runs", shared_run_root: bool = True,
                  queue_timeout_s: float = 600.0, job_name: str | None = None, job_id: str | None = None):
         self.request = SlurmRequest(partition, account, time_limit, extra_sbatch)  # one line on a bad value
         require(isinstance(python, str) and bool(python) and not python.startswith("-"),

@@ -85,7 +85,7 @@ def _priced(m: Measurement, profile: FrameworkProfile):
     config = m.config
     if config.train.framework is profile:
         return config
-    return replace(config, train=replace(config.train, framework=profile))
+    return config.with_framework(profile)
 
 
 def _log_ratios(measurements: Sequence[Measurement], profile: FrameworkProfile, memory: bool) -> np.ndarray:
