@@ -141,7 +141,7 @@ def test_a_run_through_slurm_stops_resumes_on_a_new_allocation_and_finishes(slur
 def test_a_job_cancelled_from_outside_is_reported_with_slurms_reason(slurm, tmp_path):
     run = launch(tiny_config(200), "slurm", run_root=tmp_path / "runs", remote_root=str(tmp_path / "nodes"))
     try:
-        wait_until(lambda: first_step(run), 180, "the first step")
+        # At once: the kernels are up and torchrun is starting (what Slurm ends is the same at any step).
         job = run.backend.job_id
         subprocess.run(["scancel", job], check=True, env=slurm.env)
         status = run.wait(timeout_s=120)
