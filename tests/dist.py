@@ -199,3 +199,27 @@ def max_rel_diff(a: Sequence[float], b: Sequence[float]) -> float:
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "worker":
     _worker_main(sys.argv[2], sys.argv[3])
+
+
+# --------------------------------------------------------------------------- leftovers
+JOB_PROGRAMS = ("torch.distributed.run", "workbench.launch.worker")  # torchrun and a rank
+
+
+def live_processes(*marks: str, programs: Sequence[str] | None = JOB_PROGRAMS) -> list[Any]:
+    """Live (not zombie) processes, other than this one, whose command line names one of
+    ``marks`` (a run directory, a run id) and, unless ``programs`` is None, one of ``programs``:
+    what a stopped or failed run must not leave behind."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE or not any(m in cmd for m in marks):
+            continue
+        if programs is None or any(prog in cmd for prog in programs):
+            out.append(p)
+    return out
+

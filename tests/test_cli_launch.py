@@ -22,6 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 import workbench.cli as cli
+from dist import live_processes
 from workbench.cli import main
 from workbench.launch.follow import StopSignals, follow, verdict
 from workbench.launch.handle import NodeStatus, RunStatus
@@ -276,19 +277,8 @@ def test_verdicts_of_a_guard_a_failure_and_an_outside_stop():
 
 # ---------------------------------------------------------------------------- a real run
 def job_processes(run_dir: Path) -> list[int]:
-    """torchrun and trainer processes of this run still alive (see tests/test_launch_local.py)."""
-    import psutil
-
-    out = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if str(run_dir) in cmd and ("torch.distributed.run" in cmd or "workbench.launch.worker" in cmd) \
-                and p.info["status"] != psutil.STATUS_ZOMBIE:
-            out.append(p.pid)
-    return out
+    """torchrun and trainer processes of this run still alive."""
+    return [p.pid for p in live_processes(str(run_dir))]
 
 
 def alive(pid: int) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dist import live_processes
 from workbench.spec.errors import ConfigError
 from workbench.launch import handle, launch, open_run
 from workbench.launch.kernels import LocalBackend
@@ -32,16 +33,7 @@ def tiny_config(steps: int, **overrides):
 
 def job_processes(run_dir: Path) -> list[psutil.Process]:
     """torchrun and trainer processes of this run still alive (any parent)."""
-    out = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if str(run_dir) in cmd and ("torch.distributed.run" in cmd or "workbench.launch.worker" in cmd) \
-                and p.info["status"] != psutil.STATUS_ZOMBIE:
-            out.append(p)
-    return out
+    return live_processes(str(run_dir))
 
 
 def kernel_children(run) -> list[psutil.Process]:

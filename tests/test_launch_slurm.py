@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dist import live_processes
 from slurm import slurm_available, start_slurm
 from workbench.spec.errors import ConfigError
 from workbench.launch import launch
@@ -49,15 +50,7 @@ def tiny_config(steps: int, **overrides):
 def job_processes(*marks: str) -> list[psutil.Process]:
     """Live processes of a run (torchrun, trainer ranks, kernels, srun steps) by a path in their
     command line."""
-    out = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if any(m in cmd for m in marks) and p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid():
-            out.append(p)
-    return out
+    return live_processes(*marks, programs=None)
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> float:

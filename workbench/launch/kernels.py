@@ -24,6 +24,7 @@ import queue
 import shutil
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -51,6 +52,57 @@ def bootstrap_code(node: int) -> str:
         f"    exec(compile({source!r}, 'workbench_agent', 'exec'), _m.__dict__)\n"
         f"_wb_out = _s.modules['workbench_agent'].agent({node}).status()\n"
     )
+
+
+# A kernel on a remote node (SSH, Slurm): the script its Python runs. stdin: one JSON line {"key":
+# ...} first. The kernel listens on the node's loopback only (five free ports), reads its key from a
+# 0600 file that is removed once it listens, and watches this script's pid (JPY_PARENT_PID); when
+# the script ends (EOF on stdin, SIGTERM, SIGHUP) the kernel is stopped and its folder removed.
+_REMOTE_KERNEL_BOOT = r"""
+import json, os, shutil, signal, socket, subprocess, sys, tempfile, time
+info = json.loads(sys.stdin.readline())
+d = tempfile.mkdtemp(prefix="wb-kernel-")
+names = ["shell_port", "iopub_port", "stdin_port", "control_port", "hb_port"]
+socks = []
+for _ in names:
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); socks.append(s)
+ports = {n: s.getsockname()[1] for n, s in zip(names, socks)}
+for s in socks: s.close()
+conn = dict(ports, ip="127.0.0.1", transport="tcp", key=info["key"], signature_scheme="hmac-sha256", kernel_name="")
+path = os.path.join(d, "kernel.json")
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+os.write(fd, json.dumps(conn).encode()); os.close(fd)
+log = open(os.path.join(d, "kernel.log"), "w")
+env = dict(os.environ, JPY_PARENT_PID=str(os.getpid()))  # the kernel exits if this script goes
+k = subprocess.Popen([sys.executable, "-m", "ipykernel_launcher", "-f", path], env=env,
+                     stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+#PRELUDE#
+def _end(*_):
+    raise SystemExit(0)
+signal.signal(signal.SIGTERM, _end); signal.signal(signal.SIGHUP, _end)
+try:
+    for _ in range(600):  # once the kernel listens it has read the file: remove the key from disk
+        try:
+            socket.create_connection(("127.0.0.1", ports["hb_port"]), timeout=1).close(); break
+        except OSError:
+            if k.poll() is not None: break
+            time.sleep(0.1)
+    os.remove(path)
+#SERVE#finally:
+    k.terminate()
+    try:
+        k.wait(10)
+    except subprocess.TimeoutExpired:
+        k.kill()
+    shutil.rmtree(d, ignore_errors=True)
+"""
+
+
+def remote_kernel_boot(serve: str, prelude: str = "") -> str:
+    """The boot script above, with ``serve`` run once the kernel listens (``ports``: its port per
+    name, ``k``: its process; reading stdin to EOF keeps it) and ``prelude``'s definitions before."""
+    return _REMOTE_KERNEL_BOOT.replace("#PRELUDE#", prelude.strip("\n")).replace(
+        "#SERVE#", textwrap.indent(serve.strip("\n") + "\n", "    "))
 
 
 class KernelChannel:

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.spec.errors import ConfigError, require
-from workbench.launch.kernels import KernelError, ZmqChannel
+from workbench.launch.kernels import KernelError, ZmqChannel, remote_kernel_boot
 from workbench.launch.slurm_options import SlurmRequest
 from workbench.rundir.record import record_allocation
 
@@ -78,31 +78,12 @@ sys.stdin.read()
 """
 
 # Runs on a node under srun. stdin: one JSON line {"key": ...}, then relay lines; EOF ends it.
-BOOT = r"""
-import base64, json, os, shutil, signal, socket, subprocess, sys, tempfile, threading, time
-info = json.loads(sys.stdin.readline())
-d = tempfile.mkdtemp(prefix="wb-kernel-")
-names = ["shell_port", "iopub_port", "stdin_port", "control_port", "hb_port"]
-socks = []
-for _ in names:
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); socks.append(s)
-ports = {n: s.getsockname()[1] for n, s in zip(names, socks)}
-for s in socks: s.close()
-conn = dict(ports, ip="127.0.0.1", transport="tcp", key=info["key"], signature_scheme="hmac-sha256", kernel_name="")
-path = os.path.join(d, "kernel.json")
-fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-os.write(fd, json.dumps(conn).encode()); os.close(fd)
-log = open(os.path.join(d, "kernel.log"), "w")
-env = dict(os.environ, JPY_PARENT_PID=str(os.getpid()))  # the kernel exits if this script goes
-k = subprocess.Popen([sys.executable, "-m", "ipykernel_launcher", "-f", path], env=env,
-                     stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+BOOT = remote_kernel_boot(prelude=r'''
+import base64, threading
 lock = threading.Lock()
 def send(line):
     with lock:
         sys.stdout.write(line + "\n"); sys.stdout.flush()
-def _end(*_):
-    raise SystemExit(0)
-signal.signal(signal.SIGTERM, _end); signal.signal(signal.SIGHUP, _end)
 conns = {}
 def pump(cid, s):
     try:
@@ -113,43 +94,29 @@ def pump(cid, s):
     except OSError:
         pass
     send("C %s" % cid)
-try:
-    for _ in range(600):  # once the kernel listens it has read the file: remove the key from disk
+''', serve=r'''
+send(json.dumps({"ports": ports, "kernel_pid": k.pid, "host": socket.gethostname()}))
+for line in sys.stdin:
+    op, cid, *rest = line.split()
+    if op == "O":
         try:
-            socket.create_connection(("127.0.0.1", ports["hb_port"]), timeout=1).close(); break
+            s = socket.create_connection(("127.0.0.1", ports[rest[0]]))
         except OSError:
-            if k.poll() is not None: break
-            time.sleep(0.1)
-    os.remove(path)
-    send(json.dumps({"ports": ports, "kernel_pid": k.pid, "host": socket.gethostname()}))
-    for line in sys.stdin:
-        op, cid, *rest = line.split()
-        if op == "O":
-            try:
-                s = socket.create_connection(("127.0.0.1", ports[rest[0]]))
-            except OSError:
-                send("C %s" % cid); continue
-            conns[cid] = s
-            threading.Thread(target=pump, args=(cid, s), daemon=True).start()
-        elif op == "D" and cid in conns:
-            try:
-                conns[cid].sendall(base64.b64decode(rest[0]))
-            except OSError:
-                pass
-        elif op == "C":
-            s = conns.pop(cid, None)
-            if s is not None:
-                try: s.shutdown(socket.SHUT_RDWR)
-                except OSError: pass
-                s.close()
-finally:
-    k.terminate()
-    try:
-        k.wait(10)
-    except subprocess.TimeoutExpired:
-        k.kill()
-    shutil.rmtree(d, ignore_errors=True)
-"""
+            send("C %s" % cid); continue
+        conns[cid] = s
+        threading.Thread(target=pump, args=(cid, s), daemon=True).start()
+    elif op == "D" and cid in conns:
+        try:
+            conns[cid].sendall(base64.b64decode(rest[0]))
+        except OSError:
+            pass
+    elif op == "C":
+        s = conns.pop(cid, None)
+        if s is not None:
+            try: s.shutdown(socket.SHUT_RDWR)
+            except OSError: pass
+            s.close()
+''')
 
 
 def _slurm(*argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess:

@@ -43,50 +43,15 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from workbench.spec.errors import ConfigError
-from workbench.launch.kernels import KernelError, ZmqChannel
+from workbench.launch.kernels import KernelError, ZmqChannel, remote_kernel_boot
 
 PORT_NAMES = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 
 # Runs on the host under the remote Python. stdin: one JSON line {"key": ...}, then the lifeline.
-BOOT = r"""
-import json, os, shutil, signal, socket, subprocess, sys, tempfile, time
-info = json.loads(sys.stdin.readline())
-d = tempfile.mkdtemp(prefix="wb-kernel-")
-names = ["shell_port", "iopub_port", "stdin_port", "control_port", "hb_port"]
-socks = []
-for _ in names:
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); socks.append(s)
-ports = {n: s.getsockname()[1] for n, s in zip(names, socks)}
-for s in socks: s.close()
-conn = dict(ports, ip="127.0.0.1", transport="tcp", key=info["key"], signature_scheme="hmac-sha256", kernel_name="")
-path = os.path.join(d, "kernel.json")
-fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-os.write(fd, json.dumps(conn).encode()); os.close(fd)
-log = open(os.path.join(d, "kernel.log"), "w")
-env = dict(os.environ, JPY_PARENT_PID=str(os.getpid()))  # the kernel exits if this script goes
-k = subprocess.Popen([sys.executable, "-m", "ipykernel_launcher", "-f", path], env=env,
-                     stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-def _end(*_):
-    raise SystemExit(0)
-signal.signal(signal.SIGTERM, _end); signal.signal(signal.SIGHUP, _end)
-try:
-    for _ in range(600):  # once the kernel listens it has read the file: remove the key from disk
-        try:
-            socket.create_connection(("127.0.0.1", ports["hb_port"]), timeout=1).close(); break
-        except OSError:
-            if k.poll() is not None: break
-            time.sleep(0.1)
-    os.remove(path)
-    print(json.dumps({"ports": ports, "kernel_pid": k.pid, "host": socket.gethostname()}), flush=True)
-    sys.stdin.read()
-finally:
-    k.terminate()
-    try:
-        k.wait(10)
-    except subprocess.TimeoutExpired:
-        k.kill()
-    shutil.rmtree(d, ignore_errors=True)
-"""
+BOOT = remote_kernel_boot('''
+print(json.dumps({"ports": ports, "kernel_pid": k.pid, "host": socket.gethostname()}), flush=True)
+sys.stdin.read()
+''')
 
 _LIFELINES: dict[str, "_Lifeline"] = {}  # control socket -> lifeline, for open_run() in this process
 
