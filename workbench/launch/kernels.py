@@ -21,6 +21,7 @@ import atexit
 import json
 import os
 import queue
+import select
 import shutil
 import sys
 import tempfile
@@ -103,6 +104,26 @@ def remote_kernel_boot(serve: str, prelude: str = "") -> str:
     name, ``k``: its process; reading stdin to EOF keeps it) and ``prelude``'s definitions before."""
     return _REMOTE_KERNEL_BOOT.replace("#PRELUDE#", prelude.strip("\n")).replace(
         "#SERVE#", textwrap.indent(serve.strip("\n") + "\n", "    "))
+
+
+def read_first_line(proc: Any, timeout_s: float) -> bytes | None:
+    """The first line of ``proc``'s stdout within ``timeout_s`` (None: it ended or took longer).
+    Read byte by byte from the descriptor: what follows the line (a relay's traffic) stays unread."""
+    deadline = time.time() + timeout_s
+    buf = b""
+    fd = proc.stdout.fileno()
+    while time.time() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            chunk = os.read(fd, 1)
+            if not chunk:
+                return None
+            if chunk == b"\n":
+                return buf
+            buf += chunk
+        elif proc.poll() is not None:
+            return None
+    return None
 
 
 class KernelChannel:

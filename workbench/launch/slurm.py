@@ -49,7 +49,6 @@ import json
 import os
 import re
 import secrets
-import select
 import shlex
 import shutil
 import socket
@@ -60,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.spec.errors import ConfigError, require
-from workbench.launch.kernels import KernelError, ZmqChannel, remote_kernel_boot
+from workbench.launch.kernels import KernelError, ZmqChannel, read_first_line, remote_kernel_boot
 from workbench.launch.slurm_options import SlurmRequest
 from workbench.rundir.record import record_allocation
 
@@ -359,7 +358,7 @@ class SlurmBackend:
         try:
             proc.stdin.write((json.dumps({"key": key}) + "\n").encode())
             proc.stdin.flush()
-            boot = _read_line(proc, 90.0)
+            boot = read_first_line(proc, 90.0)
             if boot is None:
                 raise KernelError(f"srun on {name} (job {alloc.job_id}): no kernel came up "
                                   f"({_tail(launch_dir / f'srun-node{node}.log')})")
@@ -461,7 +460,7 @@ class SlurmBackend:
             log.write(f"$ {shlex.join(argv[:-1])} <HOLD>\n".encode())
             log.flush()
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
-        line = _read_line(proc, self.queue_timeout_s)
+        line = read_first_line(proc, self.queue_timeout_s)
         if line is None:
             try:  # salloc's own end follows its output's by a moment
                 proc.wait(timeout=5)
@@ -510,21 +509,3 @@ def _tail(path: Path, lines: int = 3) -> str:
         return "no log"
     return " | ".join(ln for ln in text[-lines:] if not ln.startswith("$ ")) or "no output"
 
-
-def _read_line(proc: subprocess.Popen, timeout_s: float) -> bytes | None:
-    """The first line of ``proc``'s stdout within ``timeout_s`` (None: it ended or took longer)."""
-    deadline = time.time() + timeout_s
-    buf = b""
-    fd = proc.stdout.fileno()
-    while time.time() < deadline:
-        ready, _, _ = select.select([fd], [], [], 0.2)
-        if ready:
-            chunk = os.read(fd, 1)  # byte by byte: what follows the line belongs to the relay
-            if not chunk:
-                return None
-            if chunk == b"\n":
-                return buf
-            buf += chunk
-        elif proc.poll() is not None:
-            return None
-    return None

@@ -31,7 +31,6 @@ import json
 import os
 import re
 import secrets
-import select
 import shlex
 import socket
 import stat
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from workbench.spec.errors import ConfigError
-from workbench.launch.kernels import KernelError, ZmqChannel, remote_kernel_boot
+from workbench.launch.kernels import KernelError, ZmqChannel, read_first_line, remote_kernel_boot
 
 PORT_NAMES = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 
@@ -306,7 +305,7 @@ class SSHBackend:
         try:
             proc.stdin.write((json.dumps({"key": key}) + "\n").encode())
             proc.stdin.flush()
-            boot = self._read_line(proc, 60.0 + self.connect_timeout_s)
+            boot = read_first_line(proc, 60.0 + self.connect_timeout_s)
             if boot is None:
                 time.sleep(0.2)
                 tail = b"".join(stderr).decode(errors="replace").strip().splitlines()[-3:]
@@ -333,24 +332,6 @@ class SSHBackend:
         except BaseException:
             lifeline.end()
             raise
-
-    @staticmethod
-    def _read_line(proc: subprocess.Popen, timeout_s: float) -> bytes | None:
-        deadline = time.time() + timeout_s
-        buf = b""
-        fd = proc.stdout.fileno()
-        while time.time() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if ready:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    return None  # ssh ended
-                buf += chunk
-                if b"\n" in buf:
-                    return buf.split(b"\n", 1)[0]
-            elif proc.poll() is not None:
-                return None
-        return None
 
     def reconnect(self, run_dir: Path, description: dict[str, Any]) -> ZmqChannel:
         """Through the tunnels of a lifeline this process holds (ssh kernels live as long as the
