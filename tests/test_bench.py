@@ -257,7 +257,9 @@ def test_calibration_predicts_held_back_sizes(tmp_path, nodes: int, tier: str) -
                 best[fit.op] = (fit.rms_rel_error, attempt, results, report)
         print(f"attempt {attempt + 1}: in-sample fit RMS error "
               + ", ".join(f"{f.op} {f.rms_rel_error:.0%}" for f in report.links))
-        if len(best) == len(OPS) and all(v[0] <= FIT_NOISE for v in best.values()):
+        # Measured again only while a data-movement collective is noisy: a reducing one that does
+        # not fit is reported, not held (below), so another attempt for it buys nothing.
+        if len(best) == len(OPS) and all(v[0] <= FIT_NOISE for op, v in best.items() if op not in REDUCING):
             break
     assert set(best) == set(OPS), f"no measurement of three could be fitted for {set(OPS) - set(best)}"
     errors = []

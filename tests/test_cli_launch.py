@@ -23,6 +23,7 @@ from click.testing import CliRunner
 
 import workbench.cli as cli
 from dist import live_processes
+from slurm import slurm_available
 from workbench.cli import main
 from workbench.launch.follow import StopSignals, follow, verdict
 from workbench.launch.handle import NodeStatus, RunStatus
@@ -292,6 +293,8 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(slurm_available() is None, reason="the same command runs for real through Slurm "
+                                                      "(tests/test_launch_slurm.py), where Slurm can start")
 def test_launch_through_local_kernels_runs_to_the_end(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     no_torch = subprocess.run([sys.executable, "-c", "import sys, workbench.cli, workbench.launch.follow; "
