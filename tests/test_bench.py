@@ -192,27 +192,39 @@ def test_compute_benchmark_measures_flops(tmp_path) -> None:
 
 # ---------------------------------------------------------------------------- the real benchmark
 @pytest.mark.multiprocess
-def test_four_rank_benchmark_times_every_group_of_the_plan(tmp_path) -> None:
-    """torchrun with 4 gloo ranks (local-cpu, 2 nodes of 2), plan tp=2 x dp_shard=2: the TP groups
-    (intra_node, n=2) and the world (inter_node, n=4), every collective, 8 B .. 2 MiB; results
-    file, table and a calibration from it. Four ranks share this machine's two cores, so their
-    timings carry scheduling jitter: accuracy is tested one rank per core below."""
+def test_four_rank_benchmark_through_the_training_launcher_times_every_group(tmp_path) -> None:
+    """The same launcher as training runs: two local Jupyter kernels as two nodes of two ranks
+    (local-cpu), each starting torchrun over the benchmark's entry; plan tp=2 x dp_shard=2: the TP
+    groups (intra_node, n=2) and the world (inter_node, n=4), every collective, 8 B .. 2 MiB. The
+    results file lands in the run directory beside the launcher's records and reads back equal;
+    the table names every group; no process is left behind. Four ranks share this machine's two
+    cores, so their timings carry scheduling jitter: accuracy is tested one rank per core below
+    (through torchrun directly, the other way `workbench bench comms` runs)."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     sizes = size_ladder(2 << 20)
-    results = run_comms_benchmark(LOCAL, "tp=2,dp_shard=2", tmp_path, run_id="bench", sizes=sizes,
-                                  dims=("tp", "world"), point_budget_s=0.05, min_samples=5, stream=lambda line: None)
-    assert results.backend == "gloo" and results.world_size == 4
-    timed = {(r.dim, r.tier, r.group_size) for r in results.rows}
-    assert timed == {("tp", "intra_node", 2), ("world", "inter_node", 4)}
+    results = run_comms_benchmark(LOCAL, "tp=2,dp_shard=2", tmp_path, run_id="kernels", sizes=sizes,
+                                  dims=("tp", "world"), point_budget_s=0.05, min_samples=5, backend="local",
+                                  timeout_s=240, stream=lambda line: None)
+    run_dir = tmp_path / "kernels"
+    assert Path(results.path) == run_dir / "comms.json" and results.world_size == 4 and results.backend == "gloo"
+    assert {(r.dim, r.tier, r.group_size) for r in results.rows} == {("tp", "intra_node", 2), ("world", "inter_node", 4)}
     assert len(results.rows) == 2 * len(OPS) * len(sizes)
     assert results.implementations["reduce_scatter"] == "reduce_scatter_tensor"
     for r in results.rows:
         assert 0 < r.time_min_s <= r.time_median_s <= r.time_p95_s and r.samples >= 5
         factor = BUS_FACTOR[r.op](r.group_size)
         assert r.busbw == pytest.approx(r.size_bytes / r.time_median_s * factor)
-    assert load_results(tmp_path / "bench") == results
+    assert load_results(run_dir) == results
     table = format_table(results)
     print(table)
     assert "dim=tp  group_size=2  tier=intra_node" in table and "dim=world  group_size=4  tier=inter_node" in table
+    assert (run_dir / "bench.json").exists() and (run_dir / "launch").is_dir()
+    assert any("workbench.bench.collectives" in line for log in (run_dir / "launch").glob("torchrun-node*.log")
+               for line in log.read_text().splitlines())
+    leftover = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not [p for p in leftover if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 FIT_NOISE = 0.2  # in-sample RMS relative error of an alpha-beta fit that marks a noisy measurement
@@ -291,24 +303,3 @@ def test_calibration_predicts_held_back_sizes(tmp_path, nodes: int, tier: str) -
         if op in unfit:
             continue
         assert statistics.median(errs) <= 0.25, f"{tier} {op}: median held-back error {statistics.median(errs):.0%}"
-
-
-@pytest.mark.multiprocess
-def test_benchmark_runs_through_the_training_launcher(tmp_path) -> None:
-    """The same launcher as training runs: two local Jupyter kernels as two nodes of two ranks,
-    each starting torchrun over the benchmark's entry; the results file lands in the run
-    directory beside the launcher's records, and no process is left behind."""
-    import psutil
-
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    results = run_comms_benchmark(LOCAL, "tp=2,dp_shard=2", tmp_path, run_id="kernels", max_bytes=4096,
-                                  dims=("tp", "world"), point_budget_s=0.02, min_samples=3, backend="local",
-                                  timeout_s=240, stream=lambda line: None)
-    run_dir = tmp_path / "kernels"
-    assert Path(results.path) == run_dir / "comms.json" and results.world_size == 4 and results.backend == "gloo"
-    assert {(r.dim, r.tier, r.group_size) for r in results.rows} == {("tp", "intra_node", 2), ("world", "inter_node", 4)}
-    assert len(results.rows) == 2 * len(OPS) * len(size_ladder(4096))
-    assert (run_dir / "bench.json").exists() and (run_dir / "launch").is_dir()
-    assert any("workbench.bench.collectives" in line for log in (run_dir / "launch").glob("torchrun-node*.log") for line in log.read_text().splitlines())
-    leftover = {p.pid for p in psutil.Process().children(recursive=True)} - before
-    assert not [p for p in leftover if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

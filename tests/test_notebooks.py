@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
+from browser.helpers import CHROMIUM  # tests/browser/: where the browser tests find Chromium
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
@@ -24,6 +27,15 @@ CELL_TIMEOUT_S = 120  # one cell; the whole series takes well under two minutes
 NOTEBOOK_BUDGET_S = 90
 # Notebooks 04 and 05 launch real torchrun jobs (kernels, rendezvous, restarts): more headroom.
 BUDGET_S = {"04_launching_and_watching_a_run": 150, "05_checkpoints_resharding_recovery": 150}
+
+
+# Notebooks that tests/test_jupyterlab.py runs top to bottom in JupyterLab with Chromium (their asserts
+# fail there as here): run here only where that test is not selected or cannot run (no Chromium).
+RUN_ALL_IN_JUPYTERLAB = {"03_pipeline_schedules": "test_jupyterlab.py::test_a_teaching_notebook_runs_all_in_jupyterlab"}
+
+
+def _selected(request: pytest.FixtureRequest, nodeid_tail: str) -> bool:
+    return os.path.exists(CHROMIUM) and any(item.nodeid.endswith(nodeid_tail) for item in request.session.items)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +83,10 @@ def test_committed_without_outputs(path: Path):
 
 @pytest.mark.multiprocess  # a Jupyter kernel per notebook (04 and 05 start torchrun jobs too)
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
-def test_notebook_runs(path: Path, kernel_dir: Path, monkeypatch: pytest.MonkeyPatch):
+def test_notebook_runs(path: Path, kernel_dir: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
+    if path.stem in RUN_ALL_IN_JUPYTERLAB and _selected(request, RUN_ALL_IN_JUPYTERLAB[path.stem]):
+        pytest.skip(f"runs with Run All in a real JupyterLab ({RUN_ALL_IN_JUPYTERLAB[path.stem]}), which fails "
+                    "on any error output, as this does")
     monkeypatch.setenv("JUPYTER_PATH", str(kernel_dir))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # quiets the kernel's debugger warning

@@ -278,6 +278,26 @@ def test_p2p_time_delays_fill_and_drain():
     assert not any(t.stage == p - 1 and t.kind == "F" for t in res.transfers())
 
 
+def test_action_times_replay_single_actions():
+    """``action_times`` prices single actions in place of their stage's time: GPipe p = 2, m = 2,
+    forwards 1 and backwards 2 except a faster fill (stage 0's first forward 0.5) and a slower
+    last backward (stage 0, micro-batch 1: 3). By hand: rank 0 F0 [0, .5] F1 [.5, 1.5]; rank 1 F0
+    [.5, 1.5] F1 [1.5, 2.5] B0 [2.5, 4.5] B1 [4.5, 6.5]; rank 0 B0 [4.5, 6.5] B1 [6.5, 9.5]."""
+    times = [(1.0, 2.0), (1.0, 2.0)]
+    res = S.simulate_schedule("gpipe", 2, 2, stage_times=times,
+                              action_times={("F", 0, 0): 0.5, ("B", 0, 1): 3.0})
+    assert res.step_time == pytest.approx(9.5)
+    assert res.busy_time == pytest.approx((0.5 + 1 + 2 + 3, 1 + 1 + 2 + 2))
+    assert res.bubble_fraction == pytest.approx((9.5 * 2 - 6.5 - 6) / (2 * 9.5))
+    # every action given its stage's own time: the stage-time simulation, exactly
+    same = {(a.kind, a.stage, a.microbatch): times[a.stage][a.kind == "B"]
+            for a in S.simulate_schedule("1f1b", 2, 4, stage_times=times).actions}
+    assert S.simulate_schedule("1f1b", 2, 4, action_times=same).step_time == \
+        S.simulate_schedule("1f1b", 2, 4, stage_times=times).step_time
+    with pytest.raises(ConfigError, match="action_times"):
+        S.simulate_schedule("gpipe", 2, 2, action_times={("F", 0, 0): -1.0})
+
+
 def test_timeline_respects_dependencies():
     """Every action starts as soon as its rank is free and its inputs have arrived (p2p_time
     only across ranks), no sooner and no later; ranks run one action at a time."""

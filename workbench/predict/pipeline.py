@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from workbench.spec.errors import ConfigError, require
 from workbench.spec.schedules import check_schedule, round_size, stage_ranks
@@ -527,6 +527,7 @@ def simulate_schedule(
     virtual_stages: int = 1,
     stage_times: Sequence[Sequence[float]] | None = None,
     p2p_time: float = 0.0,
+    action_times: Mapping[tuple[str, int, int], float] | None = None,
 ) -> ScheduleResult:
     """Simulate one pipeline step of ``schedule`` into per-rank timelines.
 
@@ -534,12 +535,21 @@ def simulate_schedule(
     stage (``pp x virtual_stages`` entries) ``(forward_s, backward_s)`` (split backwards use
     I = W = backward / 2) or ``(forward_s, input_grad_s, weight_grad_s)``. ``p2p_time`` delays a
     dependency that crosses ranks (a send of activations or gradients); sends overlap compute.
+    ``action_times``: seconds of single actions, keyed ``(kind, stage, micro_batch)``, in place
+    of their stage's time: a measured step replayed action by action (on hardware where an
+    action's speed depends on what runs beside it, a stage's median misprices the fill and drain).
     Results are cached on all arguments, so a repeated call is free.
     """
     _orders(schedule, pp, n_microbatches, virtual_stages)  # validates (and is cached)
     times = _normalize_times(stage_times, pp * virtual_stages)
     require(p2p_time >= 0, f"p2p_time={p2p_time} must be >= 0", field="p2p_time", value=p2p_time)
-    return _simulate(schedule, pp, n_microbatches, virtual_stages, times, float(p2p_time))
+    actions = None
+    if action_times:
+        for key, sec in action_times.items():
+            require(float(sec) >= 0, f"action_times[{key}]={sec} is a negative duration",
+                    field="action_times", value=sec)
+        actions = tuple(sorted((tuple(k), float(v)) for k, v in action_times.items()))
+    return _simulate(schedule, pp, n_microbatches, virtual_stages, times, float(p2p_time), actions)
 
 
 @functools.lru_cache(maxsize=256)
@@ -550,6 +560,7 @@ def _simulate(
     v: int,
     times: tuple[tuple[float, float, float], ...] | None,
     p2p: float,
+    actions: tuple[tuple[tuple[str, int, int], float], ...] | None = None,
 ) -> ScheduleResult:
     orders = _orders(schedule, pp, m, v)
     n = pp * v
@@ -559,6 +570,11 @@ def _simulate(
     # Durations per kind and stage; a full B is I + W.
     dur = {"F": [t[0] for t in times], "I": [t[1] for t in times], "W": [t[2] for t in times],
            "B": [t[1] + t[2] for t in times]}
+    measured = dict(actions) if actions else {}
+
+    def seconds(kind: str, s: int, mb: int) -> float:
+        return measured.get((kind, s, mb), dur[kind][s]) if measured else dur[kind][s]
+
     # An action's "done" key: F -> stage s, B/I -> n + s (input gradient ready), per micro-batch.
     # W produces nothing another action waits for.
     done: dict[int, float] = {}
@@ -616,7 +632,7 @@ def _simulate(
                     if e > start:
                         start = e
                 own = (n + s) * m + mb
-            t = start + dur[kind][s]
+            t = start + seconds(kind, s, mb)
             st.append(start)
             en.append(t)
             if own >= 0:
@@ -632,7 +648,7 @@ def _simulate(
             f"{schedule} deadlocks: rank {stuck[0]} waits forever at {orders[stuck[0]][ptr[stuck[0]]]}"
         )
     step = max(free) if pp else 0.0
-    busy = tuple(sum(dur[k][s] for k, s, _ in order) for order in orders)
+    busy = tuple(sum(seconds(k, s, mb) for k, s, mb in order) for order in orders)
     idle = tuple(step - b for b in busy)
     stage_peak, rank_peak, _ = _peaks_cached(schedule, pp, m, v)
     return ScheduleResult(

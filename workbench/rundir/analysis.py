@@ -167,12 +167,37 @@ def bubble_fractions(events: Events) -> dict[int, float]:
 def bubble_fraction(events: Events) -> float | None:
     """The run's bubble fraction, median over steps of total idle / (ranks x makespan): the
     planner's ``ScheduleResult.bubble_fraction``."""
-    steps = []
-    for evs in _pipeline_steps(events).values():
+    steps = list(step_bubbles(events).values())
+    return statistics.median(steps) if steps else None
+
+
+def step_bubbles(events: Events) -> dict[int, float]:
+    """Per timed step, the run's bubble fraction: total idle / (ranks x makespan)."""
+    out = {}
+    for step, evs in _pipeline_steps(events).items():
         t0, t1 = min(e["window"][0] for e in evs), max(e["window"][1] for e in evs)
         if t1 > t0:
-            steps.append(sum(_idle(e, t0, t1) for e in evs) / (len(evs) * (t1 - t0)))
-    return statistics.median(steps) if steps else None
+            out[step] = sum(_idle(e, t0, t1) for e in evs) / (len(evs) * (t1 - t0))
+    return out
+
+
+def step_actions(events: Events) -> dict[int, dict[tuple[str, int, int], float]]:
+    """Per timed step, every action's seconds keyed ``(kind, stage, micro_batch)``, each with its
+    share of its rank's schedule work between actions (as :func:`stage_times`): the input of a
+    step's action-by-action replay (``simulate_schedule(action_times=...)``)."""
+    out: dict[int, dict[tuple[str, int, int], float]] = {}
+    for step, evs in _pipeline_steps(events).items():
+        acts: dict[tuple[str, int, int], float] = {}
+        for e in evs:
+            actions = e.get("actions")
+            if not actions or "busy_s" not in e:
+                continue
+            window = e["window"][1] - e["window"][0]
+            overhead = max(0.0, window - e["busy_s"] - e.get("wait_s", 0.0)) / len(actions)
+            for kind, stage, mb, start, end in actions:
+                acts[(str(kind), int(stage), int(mb))] = end - start + overhead
+        out[step] = acts
+    return out
 
 
 def stage_times(events: Events) -> dict[int, dict[str, float]]:
