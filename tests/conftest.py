@@ -82,3 +82,27 @@ def reference_losses():
         return cache[model]
 
     return get
+
+
+# ---------------------------------------------------------------------------- the served app
+@pytest.fixture(scope="session")
+def app_url():
+    """One app served with the default arguments (``python -m widgets.app``) for every browser
+    test that needs no run root of its own: each page that opens it is a Bokeh session of its own
+    (tests/test_widgets.py checks that sessions share no state), and the server's start-up (4-5 s)
+    is paid once, not per module."""
+    from browser.helpers import served_app  # tests/browser/: imported only where a browser test runs
+
+    with served_app() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def chromium_browser():
+    """A headless Chromium for a module's browser tests. Per module, not per session: Playwright's
+    sync API keeps an event loop running in this thread while a browser is open, and an in-process
+    test that runs asyncio (a Panel app built in the test) must not come while one is."""
+    from browser.helpers import chromium  # tests/browser/: imported only where a browser test runs
+
+    with chromium() as browser:
+        yield browser

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from browser.helpers import (CHROMIUM, OfflinePage, chromium, screenshot, served_app, tab, text_of,  # tests/browser/
+from browser.helpers import (CHROMIUM, OfflinePage, screenshot, tab, text_of,  # tests/browser/
                              wait_until)
 
 pytestmark = [
@@ -31,19 +31,19 @@ BATCH = 64
 
 
 @pytest.fixture(scope="module")
-def page():
-    with served_app() as url, chromium() as browser:
-        off = OfflinePage(browser)
-        try:
-            off.page.goto(url)
-            off.page.get_by_test_id("summary-peak").locator("visible=true").first.wait_for(timeout=90_000)
-            yield off.page
-            assert not off.errors, off.errors
-            # Panel 1.9 links loading.css from its CDN for a pane updated in a hidden tab, unless
-            # served by widgets.serve() (widgets/resources.keep_stylesheets_local): nothing outside
-            assert not off.blocked, f"the page requested outside 127.0.0.1: {sorted(set(off.blocked))}"
-        finally:
-            off.close()
+def page(app_url, chromium_browser):
+    url, browser = app_url, chromium_browser  # one app and one Chromium for the session (conftest)
+    off = OfflinePage(browser)
+    try:
+        off.page.goto(url)
+        off.page.get_by_test_id("summary-peak").locator("visible=true").first.wait_for(timeout=90_000)
+        yield off.page
+        assert not off.errors, off.errors
+        # Panel 1.9 links loading.css from its CDN for a pane updated in a hidden tab, unless
+        # served by widgets.serve() (widgets/resources.keep_stylesheets_local): nothing outside
+        assert not off.blocked, f"the page requested outside 127.0.0.1: {sorted(set(off.blocked))}"
+    finally:
+        off.close()
 
 
 def set_number(page, label: str, value: int) -> None:

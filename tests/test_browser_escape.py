@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from browser.helpers import CHROMIUM, OfflinePage, chromium, screenshot, served_app  # tests/browser/
+from browser.helpers import CHROMIUM, OfflinePage, screenshot  # tests/browser/
 
 IMG = '<img src=x onerror="window.__pwned=1">'
 SCRIPT = "<script>window.__pwned=1</script>"
@@ -205,32 +205,32 @@ HOSTILE_CONFIGS = [  # (what to paste, the note that shows the outcome, what it 
 
 @pytest.mark.browser
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is absent (apt-get install chromium)")
-def test_hostile_configs_pasted_in_the_model_tab_run_no_script():
+def test_hostile_configs_pasted_in_the_model_tab_run_no_script(app_url, chromium_browser):
     t0 = time.monotonic()
-    with served_app() as url, chromium() as browser:
-        off = OfflinePage(browser, viewport=(1400, 1100))  # the outside aborted and recorded
-        page = off.page
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(url)
-        page.get_by_test_id("summary-peak").wait_for(timeout=60_000)
-        paste = page.locator("textarea").locator("visible=true").first
-        button = page.get_by_role("button", name="Import pasted config")
-        for text, testid, shown in HOSTILE_CONFIGS:
-            paste.fill(text)
-            button.click()
-            try:  # the literal text in its note (a tag would show no text)
-                page.get_by_test_id(testid).get_by_text(shown).locator("visible=true").wait_for(timeout=15_000)
-            finally:
-                assert page.evaluate("typeof window.__pwned") == "undefined", f"a script ran: {text}"
-        # the imported names reach the sidebar as text as well
-        paste.fill(HOSTILE_CONFIGS[0][0])  # a hostile name imported last: the sidebar shows it too
+    url, browser = app_url, chromium_browser  # one app and one Chromium for the session (conftest)
+    off = OfflinePage(browser, viewport=(1400, 1100))  # the outside aborted and recorded
+    page = off.page
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.get_by_test_id("summary-peak").wait_for(timeout=60_000)
+    paste = page.locator("textarea").locator("visible=true").first
+    button = page.get_by_role("button", name="Import pasted config")
+    for text, testid, shown in HOSTILE_CONFIGS:
+        paste.fill(text)
         button.click()
-        page.get_by_test_id("summary-model").get_by_text(IMG).wait_for(timeout=20_000)
-        time.sleep(0.5)  # an onerror fires when the broken image fails to load: give it the time
-        assert page.evaluate("typeof window.__pwned") == "undefined"
-        assert page.locator("img[src='x']").count() == 0
-        screenshot(page, "11-hostile-config-shown-as-text")
-        assert not errors, errors
-        assert not off.blocked, f"the page requested outside 127.0.0.1: {sorted(set(off.blocked))}"
+        try:  # the literal text in its note (a tag would show no text)
+            page.get_by_test_id(testid).get_by_text(shown).locator("visible=true").wait_for(timeout=15_000)
+        finally:
+            assert page.evaluate("typeof window.__pwned") == "undefined", f"a script ran: {text}"
+    # the imported names reach the sidebar as text as well
+    paste.fill(HOSTILE_CONFIGS[0][0])  # a hostile name imported last: the sidebar shows it too
+    button.click()
+    page.get_by_test_id("summary-model").get_by_text(IMG).wait_for(timeout=20_000)
+    time.sleep(0.5)  # an onerror fires when the broken image fails to load: give it the time
+    assert page.evaluate("typeof window.__pwned") == "undefined"
+    assert page.locator("img[src='x']").count() == 0
+    screenshot(page, "11-hostile-config-shown-as-text")
+    assert not errors, errors
+    assert not off.blocked, f"the page requested outside 127.0.0.1: {sorted(set(off.blocked))}"
     assert time.monotonic() - t0 < 60

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from browser.helpers import CHROMIUM, chromium, open_app, screenshot, served_app, tab, text_of, wait_until
+from browser.helpers import CHROMIUM, open_app, screenshot, tab, text_of, wait_until
 from workbench import Cluster, ModelSpec, ParallelPlan, RunConfig, TrainSettings, estimate_memory, predict_step
 from widgets import transforms as T
 
@@ -81,8 +81,8 @@ def glyphs(page) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def app_page():
-    with served_app() as url, chromium() as browser, open_app(browser, url) as off:
+def app_page(app_url, chromium_browser):
+    with open_app(chromium_browser, app_url) as off:  # the session's app and Chromium (conftest)
         yield off
         errors = list(off.errors)
     assert not errors, errors

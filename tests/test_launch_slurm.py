@@ -68,7 +68,7 @@ def first_step(run) -> bool:
 
 
 def test_a_run_through_slurm_stops_resumes_on_a_new_allocation_and_finishes(slurm, tmp_path):
-    config = tiny_config(30, checkpoint_every=3, checkpoint_keep=2)
+    config = tiny_config(18, checkpoint_every=3, checkpoint_keep=2)
     t0 = time.time()
     # The nodes keep their own run directory (no shared file system): the driver's copy is made of
     # the events streamed over the kernels, and the resume reads the nodes' checkpoints.

@@ -19,6 +19,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 from browser.helpers import CHROMIUM  # tests/browser/: where the browser tests find Chromium
+from selection import selected
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -35,7 +36,7 @@ RUN_ALL_IN_JUPYTERLAB = {"03_pipeline_schedules": "test_jupyterlab.py::test_a_te
 
 
 def _selected(request: pytest.FixtureRequest, nodeid_tail: str) -> bool:
-    return os.path.exists(CHROMIUM) and any(item.nodeid.endswith(nodeid_tail) for item in request.session.items)
+    return os.path.exists(CHROMIUM) and selected(request, nodeid_tail)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,13 @@ import time
 
 import pytest
 
+from selection import selected
+
 RTOL = 1e-4
+# Notebook 05's recovery drill is this test's dp_shard=2 case, asserted the same way (the fault,
+# the restart and resume on every rank, the step both attempts ran bit-identical, the whole curve
+# equal to the uninterrupted run's within RTOL): where that notebook runs, it is not run twice.
+NOTEBOOK_DRILL = "test_notebooks.py::test_notebook_runs[05_checkpoints_resharding_recovery]"
 
 
 def drill_config(plan: str, steps: int, every: int):
@@ -52,7 +58,10 @@ def attempts(steps: list[dict]) -> list[list[dict]]:
     pytest.param("pp=2,dp_shard=2", 4, 3, 3, 2, 5, marks=pytest.mark.skipif(
         not os.environ.get("WORKBENCH_LONG_TESTS"), reason="long: set WORKBENCH_LONG_TESTS=1")),
 ])
-def test_sigkill_restart_resume(tmp_path, plan, world, kill_rank, kill_step, every, steps):
+def test_sigkill_restart_resume(tmp_path, plan, world, kill_rank, kill_step, every, steps, request):
+    if plan == "dp_shard=2" and selected(request, NOTEBOOK_DRILL):
+        pytest.skip("the same drill (dp_shard=2, rank 1 killed at step 5, a checkpoint every 2) runs with the same "
+                    f"assertions in notebooks/05 ({NOTEBOOK_DRILL})")
     from workbench.launch.local import train_local
     from workbench.rundir import read_events
 
