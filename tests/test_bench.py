@@ -227,11 +227,13 @@ def test_four_rank_benchmark_through_the_training_launcher_times_every_group(tmp
     assert not [p for p in leftover if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
-# In-sample RMS relative error of an alpha-beta fit above which a measurement is too noisy to hold
-# to the 25 % bar on held-back sizes: those are measured with the same noise, so a fit 16 % off
-# in-sample left single sizes 30 % off (CI, inter-node all_reduce: in-sample 16 %, held-back
-# median 32 %). The data-movement collectives fitted within 2-8 % in every CI attempt.
-FIT_NOISE = 0.10
+FIT_NOISE = 0.2  # in-sample RMS relative error of an alpha-beta fit that marks a noisy measurement
+# A reducing collective is held to the 25 % bar on held-back sizes only when some attempt fits it
+# this well: its held-back error follows the CPU's scheduling, not its fit (CI, inter-node
+# all_reduce: in-sample 16 %, held-back median 32 %; a rehearsal: in-sample 27-64 %, held-back
+# 5-69 %). The data-movement collectives predict their held-back sizes within 1-11 % (median)
+# even where outliers lift their in-sample RMS to 10-26 %, so they are held whenever they fit.
+REDUCING_FIT = 0.10
 REDUCING = {"all_reduce", "reduce_scatter"}  # the collectives with a reduction on the CPU between transfers
 
 
@@ -293,11 +295,11 @@ def test_calibration_predicts_held_back_sizes(tmp_path, nodes: int, tier: str) -
     # scheduler, not the wire: a CI run saw both 33-123 % off alpha-beta in-sample in all four
     # attempts, while all_gather, all_to_all and send_recv fitted within 2-8 % in the same attempts.
     # The held-back check of a model that does not describe the measurement says nothing, so a
-    # reducing collective that no attempt fits within FIT_NOISE is reported, not asserted; a
-    # data-movement collective must fit, and every collective that fits is held to the 25 %
-    # declared above, one by one and all together. (A GPU run, benchmarks/gpu_check.sh, reduces on
+    # reducing collective that no attempt fits within REDUCING_FIT is reported, not asserted; a
+    # data-movement collective must fit within FIT_NOISE, and every collective held is held to the
+    # 25 % declared above, one by one and all together. (A GPU run, benchmarks/gpu_check.sh, reduces on
     # the device and is the place to hold NCCL's all_reduce.)
-    unfit = sorted(op for op, (rms, *_) in best.items() if rms > FIT_NOISE)
+    unfit = sorted(op for op, (rms, *_) in best.items() if rms > (REDUCING_FIT if op in REDUCING else FIT_NOISE))
     print(f"{tier}: not alpha-beta shaped in any attempt (held-back error reported only): {unfit or 'none'}")
     assert set(unfit) <= REDUCING, f"{tier}: {sorted(set(unfit) - REDUCING)} fit no attempt within {FIT_NOISE:.0%}"
     held_to = [abs(e) for row, _, e in errors if row.op not in unfit]
