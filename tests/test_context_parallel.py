@@ -197,8 +197,9 @@ def reference(reference_losses) -> list[float]:
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory) -> dict:
-    """One torchrun job of 4 ranks: the ring checks, then a cp=2 x tp=2 training run."""
-    return run_job(WORLD, "tiny", ["ring", "cp=2,tp=2"], tmp_path_factory.mktemp("cp4"))
+    """One torchrun job of 4 ranks: the ring checks, then cp=2 x tp=2 and cp=2 x dp_shard=2 training
+    runs (in one job: a world-2 job of its own for plain CP cost 15 s of start-up in CI)."""
+    return run_job(WORLD, "tiny", ["ring", "cp=2,tp=2", "cp=2,dp_shard=2"], tmp_path_factory.mktemp("cp4"))
 
 
 @pytest.mark.multiprocess
@@ -219,7 +220,7 @@ def test_ring_attention_equals_full_attention(world4) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world, layout", [(2, "cp=2"), (4, "cp=2,tp=2")])
+@pytest.mark.parametrize("world, layout", [(4, "cp=2,tp=2"), (4, "cp=2,dp_shard=2")])
 def test_training_losses_equal_single_process(world: int, layout: str, reference, world4, tmp_path) -> None:
     losses = world4[layout] if world == WORLD else run_job(world, "tiny", [layout], tmp_path)[layout]
     diff = max_rel_diff(losses, reference)

@@ -199,8 +199,9 @@ class Job:
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory) -> Job:
-    """One torchrun job of 4 ranks: the layer checks, then ep x dp_shard training."""
-    return Job(WORLD, ["moe", "dp_shard=4,ep=2"], tmp_path_factory.mktemp("ep4"))
+    """One torchrun job of 4 ranks: the layer checks, then ep x dp_shard training, with experts
+    over half the world and over all of it (one job: a world-2 job of its own cost 14 s of start-up)."""
+    return Job(WORLD, ["moe", "dp_shard=4,ep=2", "dp_shard=4,ep=4"], tmp_path_factory.mktemp("ep4"))
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +228,7 @@ def test_expert_parallel_equals_unsharded_moe(world4: Job) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world, layout", [(2, "ep=2,dp_shard=2"), (4, "dp_shard=4,ep=2")])
+@pytest.mark.parametrize("world, layout", [(4, "dp_shard=4,ep=2"), (4, "dp_shard=4,ep=4")])
 def test_training_losses_equal_single_process(world: int, layout: str, reference, world4: Job, tmp_path) -> None:
     losses = world4.get(layout) if world == WORLD else Job(world, [layout], tmp_path).get(layout)
     diff = max_rel_diff(losses, reference)
