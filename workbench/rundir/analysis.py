@@ -183,8 +183,9 @@ def step_bubbles(events: Events) -> dict[int, float]:
 
 def step_actions(events: Events) -> dict[int, dict[tuple[str, int, int], float]]:
     """Per timed step, every action's seconds keyed ``(kind, stage, micro_batch)``, each with its
-    share of its rank's schedule work between actions (as :func:`stage_times`): the input of a
-    step's action-by-action replay (``simulate_schedule(action_times=...)``)."""
+    share of its rank's schedule work between actions (window - actions - waits, spread evenly
+    over the actions): the input of a step's action-by-action replay
+    (``simulate_schedule(action_times=...)``) and of :func:`stage_times`."""
     out: dict[int, dict[tuple[str, int, int], float]] = {}
     for step, evs in _pipeline_steps(events).items():
         acts: dict[tuple[str, int, int], float] = {}
@@ -203,17 +204,11 @@ def step_actions(events: Events) -> dict[int, dict[tuple[str, int, int], float]]
 def stage_times(events: Events) -> dict[int, dict[str, float]]:
     """Median seconds per action kind (F, B, I, W) per stage over the measured steps (medians: a
     shared CPU stretches a few actions by a lot), each including its share of the schedule's own
-    work between actions on that rank (window - actions - waits, spread evenly over the actions)."""
+    work between actions on that rank (as :func:`step_actions`)."""
     acc: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for evs in _pipeline_steps(events).values():
-        for e in evs:
-            actions = e.get("actions")
-            if not actions or "busy_s" not in e:
-                continue
-            window = e["window"][1] - e["window"][0]
-            overhead = max(0.0, window - e["busy_s"] - e.get("wait_s", 0.0)) / len(actions)
-            for kind, stage, _, start, end in actions:
-                acc[stage][kind].append(end - start + overhead)
+    for acts in step_actions(events).values():
+        for (kind, stage, _), seconds in acts.items():
+            acc[stage][kind].append(seconds)
     return {s: {k: statistics.median(v) for k, v in kinds.items()} for s, kinds in acc.items()}
 
 
