@@ -14,12 +14,15 @@ from typing import Any, Mapping
 from workbench.spec.errors import ConfigError
 from workbench.spec.files import read_user_json
 
-SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+SUPPORTED = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 _MOE_REQUIRED = {
     "mixtral": ("num_local_experts", "num_experts_per_tok"),
     "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
     "qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "deepseek_v2": ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+    "deepseek_v3": ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+                    "num_experts_per_tok", "moe_intermediate_size"),
 }
 
 
@@ -142,4 +145,37 @@ def hf_config_fields(config: str | os.PathLike | Mapping[str, Any]) -> dict[str,
         shared = _typed(cfg, "shared_expert_intermediate_size", int, 0)
         if shared:
             kw.update(n_shared_experts=1, shared_d_ff=shared, shared_expert_gate=True)
+    elif model_type in ("deepseek_v2", "deepseek_v3"):
+        kw.update(_deepseek_fields(cfg, model_type))
+    return kw
+
+
+def _deepseek_fields(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """Latent attention and the DeepSeek MoE layout (DeepSeek-V2's and V3's ``config.json``)."""
+    kw: dict[str, Any] = dict(
+        q_lora_rank=_typed(cfg, "q_lora_rank", int, 0) or 0,  # null in V2-Lite: a plain query projection
+        kv_lora_rank=_typed(cfg, "kv_lora_rank", int),
+        qk_nope_head_dim=_typed(cfg, "qk_nope_head_dim", int),
+        qk_rope_head_dim=_typed(cfg, "qk_rope_head_dim", int),
+        v_head_dim=_typed(cfg, "v_head_dim", int),
+        n_kv_heads=cfg["num_attention_heads"],  # every head gets its keys and values from the latent
+        head_dim=None,
+        n_mtp_layers=_typed(cfg, "num_nextn_predict_layers", int, 0),
+    )
+    experts = _typed(cfg, "n_routed_experts", int, 0)
+    if experts:
+        kw.update(
+            n_experts=experts,
+            top_k=_typed(cfg, "num_experts_per_tok", int),
+            moe_d_ff=_typed(cfg, "moe_intermediate_size", int),
+            n_shared_experts=_typed(cfg, "n_shared_experts", int, 0),
+            first_k_dense_layers=_typed(cfg, "first_k_dense_replace", int, 0),
+            moe_layer_freq=_typed(cfg, "moe_layer_freq", int, 1),
+            scoring=_typed(cfg, "scoring_func", str, "softmax"),
+            n_expert_groups=_typed(cfg, "n_group", int, 1),
+            topk_groups=_typed(cfg, "topk_group", int, 1),
+            routed_scaling=_typed(cfg, "routed_scaling_factor", float, 1.0),
+            # V3's sigmoid router carries a per-expert bias that balances the load (e_score_correction_bias)
+            router_bias=model_type == "deepseek_v3" and _typed(cfg, "topk_method", str, "noaux_tc") == "noaux_tc",
+        )
     return kw

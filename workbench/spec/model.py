@@ -33,6 +33,7 @@ MAX_SEQ_LEN = 1 << 26
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned")
+SCORINGS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,25 @@ class ModelSpec:
     qkv_bias: bool = False  # Qwen2: bias on q, k, v projections
     linear_bias: bool = False  # GPT-2/3: bias on every linear layer (and LayerNorm bias)
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys
+    # multi-head latent attention (DeepSeek-V2/V3): kv_lora_rank > 0 turns it on. Keys and values
+    # are up-projected from a shared latent of kv_lora_rank (plus a decoupled RoPE key of
+    # qk_rope_head_dim shared by all heads); queries from a latent of q_lora_rank (0: a plain
+    # projection). A head's query/key width is qk_nope_head_dim + qk_rope_head_dim, its value's v_head_dim.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeek MoE routing: kept for the trainer and the record; only the per-expert score
+    # correction bias (router_bias) changes a count
+    scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    n_expert_groups: int = 1  # grouped top-k: experts in n_expert_groups groups, top topk_groups of them
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    router_bias: bool = False  # DeepSeek-V3: e_score_correction_bias, one per routed expert
+    moe_layer_freq: int = 1  # every moe_layer_freq-th layer after the dense ones is MoE (only 1 supported)
+    # multi-token prediction (DeepSeek-V3): modules after the main model, counted separately
+    n_mtp_layers: int = 0
     position: str = "rope"
     max_seq_len: int = 8192  # table size for learned position embeddings; RoPE has no table
     rope_theta: float = 500000.0
@@ -105,6 +125,7 @@ class ModelSpec:
         check_int("n_experts", self.n_experts, minimum=0, maximum=MAX_EXPERTS)
         check_int("top_k", self.top_k, minimum=0, maximum=MAX_EXPERTS)
         check_positive("rope_theta", self.rope_theta)
+        self._check_latent_attention()
         if self.head_dim is None:
             require(
                 self.d_model % self.n_heads == 0,
@@ -153,6 +174,7 @@ class ModelSpec:
             )
             if self.n_shared_experts and self.shared_d_ff is None:
                 object.__setattr__(self, "shared_d_ff", self.moe_d_ff)
+            self._check_routing()
         else:
             require(
                 self.top_k == 0 and self.n_shared_experts == 0,
@@ -161,6 +183,45 @@ class ModelSpec:
                 field="n_experts",
                 value=self.n_experts,
             )
+
+    def _check_latent_attention(self) -> None:
+        names = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        for f in names:
+            check_int(f, getattr(self, f), minimum=0, maximum=MAX_WIDTH)
+        check_int("n_mtp_layers", self.n_mtp_layers, minimum=0, maximum=MAX_LAYERS)
+        if not self.kv_lora_rank:
+            for f in names:
+                require(getattr(self, f) == 0, f"{f}={getattr(self, f)} needs kv_lora_rank > 0 (multi-head latent "
+                        "attention); kv_lora_rank=0 is standard attention", field=f, value=getattr(self, f))
+            return
+        for f in ("qk_nope_head_dim", "v_head_dim"):
+            check_int(f, getattr(self, f))  # latent attention: each head's no-RoPE key and value widths
+        require(self.n_kv_heads == self.n_heads, f"n_kv_heads={self.n_kv_heads} must equal n_heads={self.n_heads} "
+                "with kv_lora_rank > 0: latent attention up-projects keys and values for every head",
+                field="n_kv_heads", value=self.n_kv_heads)
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        require(self.head_dim in (None, qk), f"head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim "
+                f"= {qk} with latent attention (or unset)", field="head_dim", value=self.head_dim)
+        object.__setattr__(self, "head_dim", qk)
+        require(not (self.qkv_bias or self.linear_bias), "qkv_bias and linear_bias are not part of latent attention "
+                "(no released model has them)", field="qkv_bias", value=self.qkv_bias)
+
+    def _check_routing(self) -> None:
+        check_choice("scoring", self.scoring, SCORINGS)
+        check_int("n_expert_groups", self.n_expert_groups, maximum=MAX_EXPERTS)
+        check_int("topk_groups", self.topk_groups, maximum=MAX_EXPERTS)
+        check_positive("routed_scaling", self.routed_scaling)
+        require(self.n_experts % self.n_expert_groups == 0, f"n_expert_groups={self.n_expert_groups} does not divide "
+                f"n_experts={self.n_experts}", field="n_expert_groups", value=self.n_expert_groups)
+        require(self.topk_groups <= self.n_expert_groups, f"topk_groups={self.topk_groups} exceeds "
+                f"n_expert_groups={self.n_expert_groups}", field="topk_groups", value=self.topk_groups)
+        reachable = self.topk_groups * self.n_experts // self.n_expert_groups
+        require(self.top_k <= reachable, f"top_k={self.top_k} exceeds the {reachable} experts of the topk_groups="
+                f"{self.topk_groups} groups a token may use ({self.n_experts} / {self.n_expert_groups} each)",
+                field="top_k", value=self.top_k)
+        require(self.moe_layer_freq == 1, f"moe_layer_freq={self.moe_layer_freq} is not supported: every layer "
+                "after first_k_dense_layers is MoE (moe_layer_freq=1, as in DeepSeek-V2/V3)",
+                field="moe_layer_freq", value=self.moe_layer_freq)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -234,11 +295,41 @@ class ModelSpec:
             return matrices + col_bias, d
         return matrices, 0
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def v_dim(self) -> int:
+        """Width of all heads' values (the attention output projection's input)."""
+        return self.n_heads * (self.v_head_dim if self.is_mla else self.head_dim)
+
+    def _attention_params(self) -> tuple[int, int]:
+        """(TP-split, replicated) parameters of one attention block's projections.
+
+        Latent attention splits by heads what is per head (the up-projections q_b and kv_b, and the
+        output projection) and keeps whole on every TP rank the down-projections to the latents
+        (q_a, kv_a with the shared RoPE key) and the latents' norms, as Megatron-Core's MLA does."""
+        d = self.d_model
+        if not self.is_mla:
+            return d * self.q_dim + 2 * d * self.kv_dim + self.q_dim * d, 0  # wq, wk, wv, wo
+        h, qr, kvr = self.n_heads, self.q_lora_rank, self.kv_lora_rank
+        qk, rope = self.head_dim, self.qk_rope_head_dim
+        split = h * self.v_head_dim * d  # o_proj
+        split += kvr * h * (self.qk_nope_head_dim + self.v_head_dim)  # kv_b_proj
+        whole = d * (kvr + rope) + self.norm_params(kvr)  # kv_a_proj_with_mqa, kv_a_layernorm
+        if qr:
+            split += qr * h * qk  # q_b_proj
+            whole += d * qr + self.norm_params(qr)  # q_a_proj, q_a_layernorm
+        else:
+            split += d * h * qk  # q_proj
+        return split, whole
+
     def layer_params(self, index: int) -> LayerParams:
         """Parameters of block ``index``, split by how they are sharded."""
         d = self.d_model
-        attention = d * self.q_dim + 2 * d * self.kv_dim + self.q_dim * d  # wq, wk, wv, wo
-        replicated = 2 * self.norm_params(d)  # attention norm, MLP norm
+        attention, whole = self._attention_params()
+        replicated = 2 * self.norm_params(d) + whole  # attention norm, MLP norm, latent projections
         if self.qkv_bias or self.linear_bias:
             attention += self.q_dim + 2 * self.kv_dim
         if self.linear_bias:
@@ -251,6 +342,8 @@ class ModelSpec:
         expert, expert_bias = self._mlp_params(self.moe_d_ff)
         experts = self.n_experts * (expert + expert_bias)
         replicated += d * self.n_experts  # router
+        if self.router_bias:
+            replicated += self.n_experts  # the score correction bias of each routed expert
         mlp = 0
         if self.n_shared_experts:
             shared, shared_bias = self._mlp_params(self.shared_d_ff or self.moe_d_ff)
@@ -280,6 +373,15 @@ class ModelSpec:
         moe = self.layer_params(self.n_layers - 1).total * self.n_moe_layers if self.n_moe_layers else 0
         return dense + moe + self.embedding_params + self.output_params
 
+    def n_mtp_params(self) -> int:
+        """Parameters of the multi-token-prediction modules (DeepSeek-V3), not in :meth:`n_params`:
+        each a norm of the hidden state and of the next token's embedding, their joint projection
+        (2 d -> d), one block like the model's last and a final norm; embedding and output head are
+        the main model's."""
+        d = self.d_model
+        per = 2 * self.norm_params(d) + 2 * d * d + self.layer_params(self.n_layers - 1).total + self.norm_params(d)
+        return self.n_mtp_layers * per
+
     def _active_layer_params(self, index: int) -> int:
         p = self.layer_params(index)
         if not p.experts:
@@ -299,9 +401,12 @@ class ModelSpec:
         return self.n_active_params() - self.embedding_params + tied_head
 
     def attention_flops_per_token(self, seq_len: int, causal: bool = False) -> float:
-        """Forward + backward FLOPs of the score and value matmuls, per token: 12 * L * n_heads *
-        head_dim * seq_len (2 matmuls x 2 FLOP per MAC x 3 for forward + backward)."""
-        full = 12.0 * self.n_layers * self.q_dim * seq_len
+        """Forward + backward FLOPs of the score and value matmuls, per token: 6 * L * seq_len *
+        (n_heads * head_dim + v_dim) (2 FLOP per MAC x 3 for forward + backward), 12 * L *
+        n_heads * head_dim * seq_len where values are as wide as keys. Latent attention is counted
+        as trained: scores over the up-projected keys (qk_nope + qk_rope wide), values v_head_dim
+        wide; the absorbed form (scores against the latent) is an inference kernel."""
+        full = 6.0 * self.n_layers * (self.q_dim + self.v_dim) * seq_len
         return full / 2 if causal else full
 
     def flops_per_token(self, seq_len: int, causal: bool = False) -> float:
@@ -351,6 +456,16 @@ PRESETS: dict[str, ModelSpec] = {
         tie_embeddings=True, activation="gelu", norm="layernorm", linear_bias=True,
         position="learned", max_seq_len=2048,
     ),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3/config.json; DeepSeek-AI 2024): latent attention, 3 dense
+    # layers then 58 MoE layers of 256 routed experts (top-8 of 4 groups of 8) and 1 shared; one
+    # multi-token-prediction module. 671,026,419,200 parameters (published: 671B), 37.6B active.
+    "deepseek-v3": ModelSpec(
+        n_layers=61, d_model=7168, n_heads=128, d_ff=18432, vocab_size=129280, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_experts=256,
+        top_k=8, n_shared_experts=1, moe_d_ff=2048, first_k_dense_layers=3, scoring="sigmoid",
+        n_expert_groups=8, topk_groups=4, routed_scaling=2.5, router_bias=True, n_mtp_layers=1,
+        max_seq_len=163840, rope_theta=10000.0,
+    ),
     # The CPU trainer's models: byte-level vocabulary, dimensions small enough for 2 cores.
     "tiny": ModelSpec(
         n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256, max_seq_len=256,
@@ -360,5 +475,9 @@ PRESETS: dict[str, ModelSpec] = {
         n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256, max_seq_len=256,
         n_experts=4, top_k=2, n_shared_experts=1, moe_d_ff=64, first_k_dense_layers=1,
         rope_theta=10000.0,
+    ),
+    "tiny-mla": ModelSpec(
+        n_layers=4, d_model=64, n_heads=4, d_ff=176, vocab_size=256, max_seq_len=256, q_lora_rank=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0,
     ),
 }
