@@ -89,8 +89,16 @@ def test_planning_story_in_the_browser(app_url, chromium_browser):
     tiny_peak = text_of(page, "peak-memory")
     screenshot(page, "02-memory-bill-tiny-on-local-cpu")
     tab(page, "1 · Model")
+    # latent attention and DeepSeek's MoE: the counts the importer and preset give (671,026,419,200;
+    # 37,552,297,472 active; the MTP module apart), the KV cache of one token and layer in latent form
+    page.locator("select:has(option[value='deepseek-v3'])").select_option("deepseek-v3")
+    assert wait_text_change(page, "n-params", "217.7 K") == "671.0 B"
+    assert text_of(page, "n-active-params") == "37.55 B"
+    assert text_of(page, "n-mtp-params") == "11.61 B"
+    assert text_of(page, "kv-cache-per-token") == "576"
+    screenshot(page, "01b-model-sketch-deepseek-v3")
     page.locator("select:has(option[value='llama3-8b'])").select_option("llama3-8b")
-    assert wait_text_change(page, "n-params", "217.7 K") == "8.03 B"
+    assert wait_text_change(page, "n-params", "671.0 B") == "8.03 B"
     tab(page, "2 · Memory")
     big_peak = wait_text_change(page, "peak-memory", tiny_peak)
     assert to_bytes(big_peak) > 1000 * to_bytes(tiny_peak)

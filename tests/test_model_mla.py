@@ -74,3 +74,130 @@ def test_bad_latent_and_routing_fields(kwargs, message):
     base = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=4, vocab_size=64)
     with pytest.raises(ConfigError, match=message):
         ModelSpec(**{**base, **kwargs})
+
+
+# ---------------------------------------------------------------------------- the planner prices MLA
+def test_mtp_module_as_the_checkpoint_stores_it():
+    """DeepSeek-V3's model card: 685B on Hugging Face, 671B main model + 14B MTP. The MTP module
+    counted here (11.6B) holds no embedding or head of its own; the checkpoint stores copies of
+    both with it (2 x 129280 x 7168 = 1.85B): 13.46B, 684.5B in all, the card's rounded figures."""
+    m = ModelSpec.preset("deepseek-v3")
+    copies = 2 * m.vocab_size * m.d_model
+    assert m.n_mtp_params() == 11_610_068_224
+    assert round((m.n_mtp_params() + copies) / 1e9, 2) == 13.46
+    assert round((m.n_params() + m.n_mtp_params() + copies) / 1e9, 1) == 684.5
+
+
+def test_attention_gemms_fuse_what_reads_the_same_input():
+    v3 = ModelSpec.preset("deepseek-v3")
+    assert v3.attention_gemms(8) == (
+        ("latent_down", 2, 7168, 1536 + 512 + 64),  # q_a and kv_a, whole on every TP rank
+        ("q_up", 1, 1536, 128 * 192 / 8),
+        ("kv_up", 1, 512, 128 * (128 + 128) / 8),
+        ("attn_out", 1, 128 * 128 / 8, 7168),
+    )
+    llama = ModelSpec.preset("llama3-8b")
+    assert llama.attention_gemms(2) == (("qkv", 3, 4096, (4096 + 2 * 1024) / 2), ("attn_out", 1, 2048, 4096))
+    # the projections' matrices are the counted attention parameters (norms apart)
+    split, whole = v3._attention_params()
+    assert sum(p.params for p in v3.attention_projections()) == split + whole - 1536 - 512
+
+
+def test_kv_cache_per_token_is_the_latent():
+    assert ModelSpec.preset("deepseek-v3").kv_cache_values_per_token() == 512 + 64
+    assert ModelSpec.preset("llama3-8b").kv_cache_values_per_token() == 2 * 8 * 128
+
+
+def _mla_config(plan, seq_len=4096, mbs=1):
+    from workbench import Cluster, ParallelPlan, RunConfig, TrainSettings
+
+    train = TrainSettings(seq_len=seq_len, micro_batch_size=mbs, global_batch_size=1024).with_precision("bf16-zero")
+    return RunConfig(ModelSpec.preset("deepseek-v3"), Cluster.preset("dgx-h100", nodes=32), ParallelPlan.parse(plan), train)
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_latent_attention_activations_by_hand(tp):
+    """What one MLA block keeps, by hand (e = 2, s b = 4096 tokens, no SP): Q, the expanded K and
+    V split by TP; the latents whole on every TP rank; the rest as a dense block."""
+    from workbench.predict.memory import activation_bytes_per_layer
+
+    c = _mla_config(f"tp={tp},sequence_parallel=0")
+    m, e, sb, h = c.model, 2, 4096, 7168
+    got = activation_bytes_per_layer(m, c.train, c.plan, moe=False)
+    attention = (2 * e * sb * h  # norm input, the down-projections' input
+                 + e * sb * 128 * (192 + 192 + 128) / tp  # Q, K (nope + rope per head), V
+                 + e * sb * (2 * 1536 + 512 + 64 + 512)  # q latent, normed; kv_a's output, normed latent
+                 + 4 * sb * 128 / tp  # log-sum-exp
+                 + e * sb * 128 * 128 / tp)  # o's input
+    mlp = 2 * e * sb * h + 4 * e * sb * 18432 / tp
+    assert got == pytest.approx(attention + mlp, rel=1e-12)
+
+
+def test_cp_ring_carries_latents_not_expanded_kv():
+    """Ring attention for MLA passes the key/value latent and the RoPE key per token (576
+    values, whole on every TP rank) where grouped-query attention passes the rank's K and V."""
+    from workbench.predict.comms import step_collectives
+
+    def ring_bytes(plan):
+        c = _mla_config(plan, seq_len=16384)
+        kv = [x for x in step_collectives(c) if x.dim == "cp" and "K, V" in x.purpose and "dK" not in x.purpose]
+        return kv[0].size_bytes
+
+    tokens = 16384 / 2
+    assert ring_bytes("cp=2,tp=1") == pytest.approx(tokens * 576 * 2)
+    assert ring_bytes("cp=2,tp=8") == pytest.approx(tokens * 576 * 2)  # the latent is not split by TP
+
+
+def test_cp_pays_to_reexpand_visiting_latents():
+    from workbench.predict.perf import predict_step
+
+    base = predict_step(_mla_config("cp=1,tp=8,ep=8,pp=4", seq_len=8192))
+    ring = predict_step(_mla_config("cp=2,tp=8,ep=8,pp=4", seq_len=16384))
+    # cp=2 on twice the sequence: the same tokens per rank, attention's context doubles, plus one
+    # kv_b re-expansion of the visiting chunk per layer
+    assert ring.step_time_s > base.step_time_s
+
+
+def test_moe_block_bills_top8_of_256_dispatch_by_hand():
+    """DeepSeek-V3's MoE block, e = 2, s b = 4096 tokens, tp = 1: the router's fp32 scores over
+    256 experts, 8 dispatched copies of every token (the experts' input), the experts' SwiGLU
+    hidden activations for 8 x 4096 token-visits, their 8 outputs kept for the weighted combine,
+    the shared expert as a 2048-wide MLP. Under EP the same bytes: each rank keeps the visits its
+    experts receive, which a balanced router makes the same number."""
+    from workbench.predict.memory import activation_bytes_per_layer
+
+    for plan in ("tp=1", "ep=8"):
+        c = _mla_config(plan)
+        e, sb, h = 2, 4096, 7168
+        dense = activation_bytes_per_layer(c.model, c.train, c.plan, moe=False)
+        moe = activation_bytes_per_layer(c.model, c.train, c.plan, moe=True)
+        mlp_dense = 4 * e * sb * 18432
+        mlp_moe = 4 * sb * 256 + e * sb * 8 * h + 4 * e * sb * 8 * 2048 + e * sb * 8 * h + 4 * e * sb * 2048
+        assert moe - dense == pytest.approx(mlp_moe - mlp_dense, rel=1e-12)
+
+
+V2_LITE = dict(  # deepseek-ai/DeepSeek-V2-Lite/config.json: no query latent (q_lora_rank null)
+    model_type="deepseek_v2", num_hidden_layers=27, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+    intermediate_size=10944, vocab_size=102400, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+    moe_intermediate_size=1408, first_k_dense_replace=1, moe_layer_freq=1, scoring_func="softmax", n_group=1,
+    topk_group=1, routed_scaling_factor=1.0, topk_method="greedy", hidden_act="silu", tie_word_embeddings=False,
+    max_position_embeddings=163840, rope_theta=10000,
+)
+V2 = dict(V2_LITE, num_hidden_layers=60, hidden_size=5120, num_attention_heads=128, num_key_value_heads=128,
+          intermediate_size=12288, q_lora_rank=1536, n_routed_experts=160, moe_intermediate_size=1536, n_group=8,
+          topk_group=3, routed_scaling_factor=16.0, topk_method="group_limited_greedy")
+
+
+@pytest.mark.parametrize("config,total,activated", [(V2_LITE, 15.7, 2.4), (V2, 236, 21)])
+def test_deepseek_v2_counts_against_the_published_ones(config, total, activated):
+    """DeepSeek-V2 (236B, 21B activated) and V2-Lite (15.7B, 2.4B activated; a plain query
+    projection). "Activated" there leaves out the embedding lookup: V2-Lite's 2.45B without it,
+    2.66B with it (so V3's published 37B is 36.6B, the matmul parameters)."""
+    m = ModelSpec.from_hf_config(config)
+    digits = 1 if total < 100 else 0
+    assert round(m.n_params() / 1e9, digits) == total
+    assert int(m.n_matmul_params() / 1e9 * 10) / 10 == pytest.approx(activated, abs=0.11 if activated < 10 else 0.5)
+    if config is V2_LITE:
+        assert m.q_lora_rank == 0 and [p.name for p in m.attention_projections()] == ["q_proj", "kv_a", "kv_b", "o"]
+        assert (m.n_params(), m.n_matmul_params()) == (15_706_484_224, 2_451_435_008)

@@ -53,6 +53,19 @@ def test_model_summary_is_the_spec_s_numbers():
     assert s["flops_per_token"] == spec.flops_per_token(4096)
 
 
+def test_latent_attention_round_trips_through_the_form():
+    spec = ModelSpec.preset("deepseek-v3")
+    values = T.model_form_values(spec)
+    assert values["head_dim"] == 0 and values["kv_lora_rank"] == 512  # derived: nope + rope
+    assert T.build_model(values).value == spec
+    s = T.model_summary(spec, 4096)
+    assert (s["n_mtp_params"], s["kv_cache_values_per_token"]) == (11_610_068_224, 576)
+    values["kv_lora_rank"] = 0  # latent widths left without a latent: one line naming the field
+    checked = T.build_model(values)
+    assert checked.value is None and checked.field == "q_lora_rank"
+    assert checked.error.startswith("q_lora_rank=1536 needs kv_lora_rank > 0")
+
+
 def test_invalid_model_edit_gives_message_and_field_not_exception():
     values = T.model_form_values(ModelSpec.preset("llama3-8b"))
     values["n_kv_heads"] = 3

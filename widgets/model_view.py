@@ -20,7 +20,7 @@ from widgets.transforms import MODEL_FIELDS, build_model, format_count, format_f
 from widgets.ui import FieldErrors, card, cards, error_line, html_pane
 
 CUSTOM = "custom"
-GROUP_ORDER = ("Shape", "Attention", "MLP", "Mixture of experts")
+GROUP_ORDER = ("Shape", "Attention", "Latent attention", "MLP", "Mixture of experts")
 
 
 def _editor(f) -> pn.widgets.Widget:
@@ -131,9 +131,18 @@ class ModelSketch(pn.viewable.Viewer):
             items.append(card("Active parameters", format_count(s["n_active_params"]), "n-active-params",
                               note=f"top {model.top_k} of {model.n_experts} experts"))
         items.append(card("Training FLOPs / token", format_flops(s["flops_per_token"]), "flops-per-token",
-                          note=f"6N + 12·L·h·s at seq_len {s['seq_len']}"))
-        items.append(card("Shape", f"{model.n_layers} × {model.d_model}", "shape",
-                          note=f"{model.n_heads} heads ({model.n_kv_heads} KV) × {model.head_dim}"))
+                          note=("6N + 6·L·H·(d_qk + d_v)·s" if model.is_mla else "6N + 12·L·h·s") + f" at seq_len {s['seq_len']}"))
+        if model.n_mtp_layers:
+            items.append(card("MTP modules", format_count(s["n_mtp_params"]), "n-mtp-params",
+                              note=f"{model.n_mtp_layers} multi-token-prediction module(s), not in the total"))
+        if model.is_mla:
+            heads = (f"{model.n_heads} heads, latent attention: q {model.q_lora_rank or 'direct'}, kv {model.kv_lora_rank}, "
+                     f"head {model.qk_nope_head_dim}+{model.qk_rope_head_dim} / v {model.v_head_dim}")
+        else:
+            heads = f"{model.n_heads} heads ({model.n_kv_heads} KV) × {model.head_dim}"
+        items.append(card("Shape", f"{model.n_layers} × {model.d_model}", "shape", note=heads))
+        items.append(card("KV cache / token", f'{s["kv_cache_values_per_token"]:,}', "kv-cache-per-token",
+                          note="values per layer: " + ("the latent and the RoPE key" if model.is_mla else "K and V of every KV head")))
         return cards(items)
 
     def panel(self) -> pn.viewable.Viewable:
@@ -150,7 +159,7 @@ class ModelSketch(pn.viewable.Viewer):
         summary = html_pane(pn.bind(self._summary, self.state.param.model, self.state.param.seq_len,
                                     self.state.param.model_error), sizing_mode="stretch_width")
         importer = pn.Card(
-            pn.pane.Markdown("Upload a Hugging Face `config.json` (Llama, Mistral, Mixtral, Qwen2/3) or paste it:",
+            pn.pane.Markdown("Upload a Hugging Face `config.json` (Llama, Mistral, Mixtral, Qwen2/3, DeepSeek-V2/V3) or paste it:",
                              margin=(0, 10)),
             self._upload, self._paste, self._import, self._import_note,
             title="Import from Hugging Face", collapsed=False, sizing_mode="stretch_width", margin=(5, 8),

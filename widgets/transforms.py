@@ -248,6 +248,11 @@ MODEL_FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("rope_theta", "float", "Attention", "RoPE base"),
     FieldSpec("qkv_bias", "bool", "Attention", "bias on q, k, v (Qwen2)"),
     FieldSpec("qk_norm", "bool", "Attention", "RMSNorm on q and k (Qwen3)"),
+    FieldSpec("kv_lora_rank", "int", "Latent attention", "key/value latent width; 0 = standard attention (DeepSeek-V3: 512)"),
+    FieldSpec("q_lora_rank", "int", "Latent attention", "query latent width; 0 = a plain query projection (V3: 1536)"),
+    FieldSpec("qk_nope_head_dim", "int", "Latent attention", "per-head key/query width without RoPE (V3: 128)"),
+    FieldSpec("qk_rope_head_dim", "int", "Latent attention", "decoupled RoPE key width, shared by all heads (V3: 64)"),
+    FieldSpec("v_head_dim", "int", "Latent attention", "per-head value width (V3: 128)"),
     FieldSpec("d_ff", "int", "MLP", "0 = 8/3 d_model (SwiGLU) or 4 d_model (GELU)", auto=True),
     FieldSpec("activation", "choice", "MLP", "", choices=("swiglu", "gelu")),
     FieldSpec("norm", "choice", "MLP", "", choices=("rmsnorm", "layernorm")),
@@ -259,6 +264,13 @@ MODEL_FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("shared_d_ff", "int", "Mixture of experts", "0 = moe_d_ff", auto=True),
     FieldSpec("first_k_dense_layers", "int", "Mixture of experts", "leading dense blocks"),
     FieldSpec("shared_expert_gate", "bool", "Mixture of experts", "sigmoid gate on shared experts (Qwen2-MoE)"),
+    FieldSpec("moe_layer_freq", "int", "Mixture of experts", "an MoE block every k blocks after the dense ones"),
+    FieldSpec("scoring", "choice", "Mixture of experts", "router scores (DeepSeek-V3: sigmoid)", choices=("softmax", "sigmoid")),
+    FieldSpec("n_expert_groups", "int", "Mixture of experts", "expert groups for group-limited routing; 1 = none"),
+    FieldSpec("topk_groups", "int", "Mixture of experts", "groups a token may route to"),
+    FieldSpec("routed_scaling", "float", "Mixture of experts", "scale of the routed experts' output"),
+    FieldSpec("router_bias", "bool", "Mixture of experts", "per-expert score-correction bias (auxiliary-loss-free balancing)"),
+    FieldSpec("n_mtp_layers", "int", "Mixture of experts", "multi-token-prediction modules, counted apart"),
 )
 MODEL_FIELD_NAMES = tuple(f.name for f in MODEL_FIELDS)
 assert set(MODEL_FIELD_NAMES) == {f.name for f in fields(ModelSpec)}, "every ModelSpec field has an editor"
@@ -268,8 +280,8 @@ def model_form_values(spec: ModelSpec) -> dict[str, Any]:
     """The form's values for ``spec``: derived fields that equal their default read 0 (auto), so
     that editing d_model or n_heads re-derives them instead of keeping a stale number."""
     values = {f.name: getattr(spec, f.name) for f in MODEL_FIELDS}
-    if spec.d_model % spec.n_heads == 0 and spec.head_dim == spec.d_model // spec.n_heads:
-        values["head_dim"] = 0
+    if spec.is_mla or (spec.d_model % spec.n_heads == 0 and spec.head_dim == spec.d_model // spec.n_heads):
+        values["head_dim"] = 0  # latent attention derives it: qk_nope_head_dim + qk_rope_head_dim
     values["moe_d_ff"] = 0 if spec.is_moe and spec.moe_d_ff == spec.d_ff else spec.moe_d_ff
     values["shared_d_ff"] = 0 if spec.shared_d_ff in (None, spec.moe_d_ff) else spec.shared_d_ff
     return values
@@ -314,10 +326,13 @@ def parse_hf_config(text: str | bytes) -> Checked:
 
 
 def model_summary(spec: ModelSpec, seq_len: int) -> dict[str, float]:
-    """The numbers the sketch shows: parameters (total and active), training FLOPs per token."""
+    """The numbers the sketch shows: parameters (total, active, multi-token prediction apart), the
+    KV-cache values per token and layer, training FLOPs per token."""
     return {
         "n_params": spec.n_params(),
         "n_active_params": spec.n_active_params(),
+        "n_mtp_params": spec.n_mtp_params(),
+        "kv_cache_values_per_token": spec.kv_cache_values_per_token(),
         "flops_per_token": spec.flops_per_token(seq_len),
         "seq_len": seq_len,
         "n_layers": spec.n_layers,

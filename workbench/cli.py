@@ -202,7 +202,7 @@ def describe_config(config: RunConfig) -> list[str]:
     c, t, m = config.cluster, config.train, config.model
     name = m.name or "custom model"
     return [
-        f"{name} ({m.n_params() / 1e9:.2f}B parameters) on {c.world_size} x {c.gpu.name} "
+        f"{name} ({m.describe_size()}) on {c.world_size} x {c.gpu.name} "
         f"({c.nodes} node{'s' if c.nodes > 1 else ''} x {c.gpus_per_node}), plan {config.plan.describe()}",
         f"seq {t.seq_len}, micro-batch {t.micro_batch_size}, global batch {t.global_batch_size} "
         f"({config.n_microbatches} micro-batches per DP rank), recompute {t.recompute}, "
@@ -758,7 +758,7 @@ def plan(model: str, hf_config: str | None, cluster_name: str, nodes: int, top: 
     if as_json:
         click.echo(json.dumps(advice_to_dict(advice), indent=2))
         return
-    click.echo(f"{spec.name or 'model'} ({spec.n_params() / 1e9:.2f}B) on {cluster.world_size} x {cluster.gpu.name} "
+    click.echo(f"{spec.name or 'model'} ({spec.describe_size()}) on {cluster.world_size} x {cluster.gpu.name} "
                f"({cluster.nodes} nodes x {cluster.gpus_per_node}), seq {train.seq_len}, global batch "
                f"{train.global_batch_size or 'auto'}; searched {advice.stats['plans']} plans, "
                f"{advice.stats['too_big']} did not fit, {advice.stats['predicted']} predicted")

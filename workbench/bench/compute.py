@@ -7,7 +7,10 @@ split of each linear, Shoeybi et al. 2019), L layers of which L_d dense and L_m 
 GEMM             (m, k) x (k, n)                 count per forward pass of the model
 ===============  ==============================  ==========================================
 ``qkv``          (T, d) x (d, (q + 2 kv) / t)    L (q, k, v fused)
-``attn_out``     (T, q / t) x (q / t, d)         L
+``attn_out``     (T, q / t) x (q / t, d)         L (latent attention: (T, v / t) x (v / t, d))
+``latent_down``  (T, d) x (d, r_q + r_kv + r)    L (latent attention: q_a, kv_a fused, whole)
+``q_up``         (T, r_q) x (r_q, q / t)         L (latent attention: q_b; q_proj from d)
+``kv_up``        (T, r_kv) x (r_kv, kv_up / t)   L (latent attention: kv_b, nope + v per head)
 ``mlp_up``       (T, d) x (d, d_ff / t)          L_d x u (u = 2 with SwiGLU: gate and up)
 ``mlp_down``     (T, d_ff / t) x (d_ff / t, d)   L_d
 ``shared_up``    (T, d) x (d, f_s / t)           L_m x n_shared x u
@@ -77,8 +80,7 @@ def gemm_shapes(model: ModelSpec, tp: int = 1, tokens: int = 4096) -> list[GemmS
             field="tp", value=tp)
     u = 2 if model.activation == "swiglu" else 1
     layers, dense, moe = model.n_layers, model.n_dense_layers, model.n_moe_layers
-    shapes = [GemmShape("qkv", tokens, d, (q + 2 * kv) // tp, layers),
-              GemmShape("attn_out", tokens, q // tp, d, layers)]
+    shapes = [GemmShape(name, tokens, int(k), int(n), layers) for name, _, k, n in model.attention_gemms(tp)]
     if dense:
         ff = max(1, model.d_ff // tp)
         shapes += [GemmShape("mlp_up", tokens, d, ff, dense * u), GemmShape("mlp_down", tokens, ff, d, dense)]

@@ -491,7 +491,9 @@ def _stage_floors(config: RunConfig) -> tuple[tuple[float, float, float], ...]:
     attn_rate = rate / eff.matmul * eff.attention
     hbm = cluster.gpu.hbm_bandwidth_bytes_per_s * eff.memory or 1e12
     h, mats = model.d_model, (3 if model.activation == "swiglu" else 2)  # (gate, up,) down
-    attn_gemms = h * (model.q_dim + 2 * model.kv_dim) + model.q_dim * h  # QKV and output projection
+    # attention projection MACs per token, x t: divided by t below with the MLP's (what is whole
+    # on every TP rank, latent attention's down-projections, stays whole)
+    attn_gemms = sum(k * n for _, _, k, n in model.attention_gemms(t)) * t
     dense_mm = 2 * tokens * (attn_gemms + mats * h * model.d_ff) / t / rate
     moe_mm = 0.0
     if model.is_moe:  # the router, the top_k experts each token visits, the shared experts
@@ -499,7 +501,7 @@ def _stage_floors(config: RunConfig) -> tuple[tuple[float, float, float], ...]:
         moe_mm = 2 * tokens * ((attn_gemms + mats * h * (model.top_k * model.moe_d_ff + shared)) / t
                                + h * model.n_experts) / rate
     hidden_moe = model.top_k * model.moe_d_ff + model.n_shared_experts * (model.shared_d_ff or 0)
-    attn = 4 * tokens * (train.seq_len / 2) * model.q_dim / t / attn_rate  # per layer, forward
+    attn = 2 * tokens * (train.seq_len / 2) * (model.q_dim + model.v_dim) / t / attn_rate  # per layer, forward
     counts = plan.stage_layer_counts(model.n_layers)
     kinds = set()  # stages alike in layers, MoE layers and first/last cost the same
     start = 0

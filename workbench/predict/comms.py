@@ -482,8 +482,10 @@ def _rank_collectives(config: "RunConfig", pp_rank: int) -> list[Collective]:
         # Ring attention as torch's context_parallel runs it (_templated_ring_attention): forward
         # passes the local K and V chunk (T kv_dim e x 2 / t) cp-1 times; backward passes K, V again
         # cp-1 times, and the fp32 dK, dV accumulators cp times (the last hop returns them home).
-        kv = tokens * model.kv_dim * 2 * e / t
-        dkv = tokens * model.kv_dim * 2 * 4 / t
+        # Latent attention's ring carries the key/value latent and the RoPE key instead
+        # (ModelSpec.ring_kv_values_per_token), its gradient in the same form.
+        kv = tokens * model.ring_kv_values_per_token(t) * e
+        dkv = tokens * model.ring_kv_values_per_token(t) * 4
         k = layers * m
         b.add("cp", "send_recv", "forward", "CP ring exchange of K, V", kv, (cp - 1) * k, True)
         b.add("cp", "send_recv", "backward", "CP ring exchange of K, V", kv, (cp - 1) * k * (2 if recompute else 1), True)

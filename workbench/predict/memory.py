@@ -251,11 +251,12 @@ def _op_policy_bytes_per_layer(model: ModelSpec, train: TrainSettings, plan: Par
     sp = t if (plan.sequence_parallel and t > 1) else 1
     sb = train.micro_batch_size * train.seq_len / plan.cp
     h = model.d_model
-    widths = [model.q_dim / t, model.kv_dim / t, model.kv_dim / t, h]  # wq wk wv wo
+    split = {"column": t, "row": 1, "whole": 1}  # a row-parallel output is whole (partial sums)
+    widths = [p.d_out / split[p.split] for p in model.attention_projections()]  # wq wk wv wo; MLA's five
     widths += [model.d_ff / t, model.d_ff / t, h] if model.activation == "swiglu" else [model.d_ff / t, h]
-    act = e * sb * h / sp + e * sb * sum(widths[0::2])  # the input; matmuls 1, 3, 5, 7
+    act = e * sb * h / sp + e * sb * sum(widths[0::2])  # the input; matmuls 1, 3, 5, 7...
     if train.attention == "flash":
-        act += e * sb * model.q_dim / t + 4 * sb * model.n_heads / t  # SDPA output, log-sum-exp
+        act += e * sb * model.v_dim / t + 4 * sb * model.n_heads / t  # SDPA output, log-sum-exp
     if sp > 1:
         act += 2 * e * sb * h / sp  # the reduce-scatters after wo and w2
     return act
@@ -327,13 +328,15 @@ def activation_bytes_per_layer(
     # attention block
     act = e * sb * h / sp  # attention-norm input
     act += e * sb * h / sp  # QKV input (norm output)
-    act += e * sb * (model.q_dim + 2 * model.kv_dim) / t  # Q, K (for Q K^T) and V
+    act += e * sb * (model.q_dim + model.k_width + model.v_width) / t  # Q, K (for Q K^T) and V
+    if model.is_mla:
+        act += _latent_bytes(model, e, sb)
     if train.attention == "eager" and recompute != "selective":
         scores = sb * a * train.seq_len / t  # each local query against every key
         act += scores * (2 * e + 1 if drop else e)  # softmax output (+ dropout mask and output)
     elif train.attention == "flash" and recompute != "selective":
         act += 4 * sb * a / t  # fp32 log-sum-exp per query and head
-    act += e * sb * model.q_dim / t  # output-projection input
+    act += e * sb * model.v_dim / t  # output-projection input
     if drop:
         act += sb * h / sp  # dropout mask after the attention block
     # MLP block
@@ -357,10 +360,22 @@ def activation_bytes_per_layer(
         if sp > 1 and conventions.sp_inputs_gathered:
             act += 2 * e * sb * h * (1 - 1 / sp)  # QKV and MLP inputs kept all-gathered (whole, not / t)
         if plan.cp > 1 and recompute != "selective" and conventions.cp_fp32_output:
-            act += 4 * sb * model.q_dim / t  # ring attention's fp32 output
+            act += 4 * sb * model.v_dim / t  # ring attention's fp32 output
         if model.position == "rope" and conventions.rope_cache_per_layer:
-            act += 2 * e * (train.seq_len / plan.cp) * model.head_dim  # cos, sin
+            act += 2 * e * (train.seq_len / plan.cp) * model.rope_dim  # cos, sin
     return act
+
+
+def _latent_bytes(model: ModelSpec, e: int, sb: float) -> float:
+    """What latent attention keeps beyond Q, K and V for one micro-batch (whole on every TP rank,
+    as the down-projections that make the latents, and on the whole sequence under SP, where they
+    are computed from the all-gathered input): the query latent before its norm and after (q_b's
+    input), kv_a's output (the key/value latent and the RoPE key: the norm's input is a view that
+    keeps it all) and the normed latent (kv_b's input). The expanded K and V are kept as well
+    (attention's backward reads them); recomputing the up-projections from the latent instead is
+    Megatron's ``--recompute-modules mla_up_proj``, not billed here."""
+    q_latent, kv_latent = model.latent_dims
+    return e * sb * (2 * q_latent + 2 * kv_latent + model.qk_rope_head_dim)
 
 
 def _vocab_split(plan: ParallelPlan, vocab_parallel: bool) -> int:
@@ -470,7 +485,10 @@ def estimate_memory(config: RunConfig, *, selective_policy: str | None = None) -
         if plan.cp > 1:
             # Ring attention: the visiting K/V chunk and the one arriving, and their fp32 dK/dV
             # accumulators travelling the ring in backward (the bundled trainer's ring; TE's too).
-            grads += (4 * e + 16) * sb * model.kv_dim / t
+            # Latent attention's ring carries latents and re-expands the visiting chunk's K and V.
+            grads += (2 * e + 8) * sb * model.ring_kv_values_per_token(t)
+            if model.is_mla:
+                grads += (e + 4) * sb * (model.k_width + model.v_width) / t
         return rebuilt + grads
 
     dense_layer_act = layer(False)

@@ -4,7 +4,9 @@ The model is physical, not fitted per row. One micro-batch on one pipeline stage
 
 * matmuls: 2 x tokens x (active matmul parameters / tp) FLOPs forward, twice that backward, at
   ``peak x efficiency.matmul`` (a large bf16 GEMM reaches ~70-75% of an H100's dense peak);
-* attention scores and values: 4 x tokens x context x q_dim / tp FLOPs forward (a causal flash
+  latent attention's down-projections are whole on every TP rank (:meth:`ModelSpec.attention_gemms`);
+* attention scores and values: 2 x tokens x context x (q_dim + v_dim) / tp FLOPs forward (4 x
+  tokens x context x q_dim where values are as wide as keys; a causal flash
   kernel skips the masked half, so context = seq_len / 2; eager attention computes all of it),
   2.5x that backward (FlashAttention-2's backward runs five matmuls to the forward's two), at
   ``peak x efficiency.attention``;
@@ -100,10 +102,7 @@ def _layer_gemm_time(config: RunConfig, tokens: float, moe: bool, rate: float, e
     shape allows (M = tokens, K and N split by TP)."""
     model, t = config.model, config.plan.tp
     h = model.d_model
-    gemms: list[tuple[float, float, float]] = [  # (M, K, N)
-        (tokens, h, (model.q_dim + 2 * model.kv_dim) / t),  # fused QKV
-        (tokens, model.q_dim / t, h),  # output projection
-    ]
+    gemms: list[tuple[float, float, float]] = [(tokens, k, n) for _, _, k, n in model.attention_gemms(t)]  # (M, K, N)
     n_mats = 2 if model.activation == "swiglu" else 1  # gate and up, or fc
     if moe and model.is_moe:
         per_expert = tokens * model.top_k / model.n_experts  # tokens an expert sees (balanced router)
@@ -138,6 +137,13 @@ def _stage_cost(config: RunConfig, first_layer: int, n_layers: int, first: bool,
         mm_time += n_dense * _layer_gemm_time(config, tokens, False, rate, eff)
     if n_moe:
         mm_time += n_moe * _layer_gemm_time(config, tokens, True, rate, eff)
+    if model.is_mla and plan.cp > 1:
+        # Latent attention's ring carries latents: each of the cp - 1 visiting chunks is
+        # re-expanded to K and V by the rank's slice of kv_b (ModelSpec.ring_kv_values_per_token).
+        kv_b = next(p for p in model.attention_projections() if p.name == "kv_b")
+        calibrated = bool(config.cluster.achieved_flops(train.compute_dtype))
+        shape_eff = _gemm_efficiency(min(tokens, kv_b.d_in, kv_b.d_out / t), eff, calibrated)
+        mm_time += n_layers * (plan.cp - 1) * 2 * tokens * kv_b.params / t / (rate * shape_eff)
     heads = model.n_heads / t
     hidden_dense = model.d_ff
     hidden_moe = model.top_k * model.moe_d_ff + model.n_shared_experts * (model.shared_d_ff or 0)
@@ -149,12 +155,12 @@ def _stage_cost(config: RunConfig, first_layer: int, n_layers: int, first: bool,
         elem_fwd += tokens * n_layers * 2 * (e + 1) * model.d_model / sp  # two dropouts: mask and output
     if train.attention == "flash":
         # a causal flash kernel skips the masked half of the score matrix
-        attn_fwd = 4 * tokens * (train.seq_len / 2) * model.q_dim / t * n_layers
+        attn_fwd = 2 * tokens * (train.seq_len / 2) * (model.q_dim + model.v_dim) / t * n_layers
     else:
         # eager: batched GEMMs over the whole s x s matrix (the mask is applied after), and the
         # scores go through HBM: written, read and written by the softmax, read by the value
         # GEMM (4 passes; 7 with dropout's mask and output)
-        attn_fwd = 4 * tokens * train.seq_len * model.q_dim / t * n_layers
+        attn_fwd = 2 * tokens * train.seq_len * (model.q_dim + model.v_dim) / t * n_layers
         passes = 7 if train.dropout else 4
         elem_fwd += tokens * train.seq_len * heads * n_layers * passes * e
     if last:

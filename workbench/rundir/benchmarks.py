@@ -254,7 +254,7 @@ class ComputeRow:
     """One GEMM ``(m, k) x (k, n)`` in one dtype: 2 m k n FLOPs per call, ``count`` per forward pass."""
 
     dtype: str
-    name: str  # qkv | attn_out | mlp_up | mlp_down | shared_up | shared_down | expert_up | expert_down | head
+    name: str  # qkv | latent_down | q_up | kv_up | attn_out | mlp_up | mlp_down | shared_up | shared_down | expert_up | expert_down | head
     m: int
     k: int
     n: int

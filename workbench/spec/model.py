@@ -57,6 +57,26 @@ class LayerParams:
 
 
 @dataclass(frozen=True)
+class Projection:
+    """One projection matrix of an attention block: ``d_in -> d_out``.
+
+    ``split`` is how tensor parallelism shards it: "column" (``d_out`` over TP ranks: heads),
+    "row" (``d_in`` over TP ranks: the output projection) or "whole" (every TP rank keeps and
+    applies it: latent attention's down-projections). ``gemm`` names the GEMM it runs in:
+    projections of the same input and split are fused into one (Megatron's fused QKV)."""
+
+    name: str
+    d_in: int
+    d_out: int
+    split: str
+    gemm: str
+
+    @property
+    def params(self) -> int:
+        return self.d_in * self.d_out
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer.
 
@@ -304,25 +324,90 @@ class ModelSpec:
         """Width of all heads' values (the attention output projection's input)."""
         return self.n_heads * (self.v_head_dim if self.is_mla else self.head_dim)
 
-    def _attention_params(self) -> tuple[int, int]:
-        """(TP-split, replicated) parameters of one attention block's projections.
+    def attention_projections(self) -> tuple[Projection, ...]:
+        """The projection matrices of one attention block, in execution order (biases apart).
 
-        Latent attention splits by heads what is per head (the up-projections q_b and kv_b, and the
-        output projection) and keeps whole on every TP rank the down-projections to the latents
-        (q_a, kv_a with the shared RoPE key) and the latents' norms, as Megatron-Core's MLA does."""
-        d = self.d_model
+        Grouped-query attention: wq, wk, wv from the block's input, wo. Latent attention (DeepSeek-V2
+        and V3): the down-projections q_a (to the query latent) and kv_a (to the key/value latent
+        and the RoPE key shared by all heads) from the input, kept whole on every TP rank as
+        Megatron-Core's MLA does; the per-head up-projections q_b (or a plain q_proj when
+        q_lora_rank = 0) and kv_b (each head's non-RoPE key and its value), split by heads; o."""
+        d, h = self.d_model, self.n_heads
         if not self.is_mla:
-            return d * self.q_dim + 2 * d * self.kv_dim + self.q_dim * d, 0  # wq, wk, wv, wo
-        h, qr, kvr = self.n_heads, self.q_lora_rank, self.kv_lora_rank
-        qk, rope = self.head_dim, self.qk_rope_head_dim
-        split = h * self.v_head_dim * d  # o_proj
-        split += kvr * h * (self.qk_nope_head_dim + self.v_head_dim)  # kv_b_proj
-        whole = d * (kvr + rope) + self.norm_params(kvr)  # kv_a_proj_with_mqa, kv_a_layernorm
-        if qr:
-            split += qr * h * qk  # q_b_proj
-            whole += d * qr + self.norm_params(qr)  # q_a_proj, q_a_layernorm
+            return (Projection("wq", d, self.q_dim, "column", "qkv"), Projection("wk", d, self.kv_dim, "column", "qkv"),
+                    Projection("wv", d, self.kv_dim, "column", "qkv"), Projection("wo", self.q_dim, d, "row", "attn_out"))
+        out = []
+        if self.q_lora_rank:
+            out += [Projection("q_a", d, self.q_lora_rank, "whole", "latent_down"),
+                    Projection("q_b", self.q_lora_rank, self.q_dim, "column", "q_up")]
         else:
-            split += d * h * qk  # q_proj
+            out.append(Projection("q_proj", d, self.q_dim, "column", "q_up"))
+        out += [Projection("kv_a", d, self.kv_lora_rank + self.qk_rope_head_dim, "whole", "latent_down"),
+                Projection("kv_b", self.kv_lora_rank, h * (self.qk_nope_head_dim + self.v_head_dim), "column", "kv_up"),
+                Projection("o", self.v_dim, d, "row", "attn_out")]
+        return tuple(out)
+
+    def attention_gemms(self, tp: int = 1) -> tuple[tuple[str, int, float, float], ...]:
+        """(name, projections fused, K, N) of each GEMM of one attention block on one TP rank, in
+        execution order: column-split ones N / tp, row-split ones K / tp, whole ones unsplit."""
+        fused: dict[str, list[Projection]] = {}
+        for p in self.attention_projections():
+            fused.setdefault(p.gemm, []).append(p)
+        out = []
+        for name, group in fused.items():
+            split, k, n = group[0].split, group[0].d_in, sum(p.d_out for p in group)
+            out.append((name, len(group), k / tp if split == "row" else k, n / tp if split == "column" else n))
+        return tuple(out)
+
+    @property
+    def latent_dims(self) -> tuple[int, int]:
+        """(query latent, key/value latent) widths of latent attention; (0, 0) otherwise."""
+        return (self.q_lora_rank, self.kv_lora_rank) if self.is_mla else (0, 0)
+
+    @property
+    def k_width(self) -> int:
+        """Width of all heads' keys as attention reads them (latent attention: up-projected,
+        the shared RoPE key repeated per head)."""
+        return self.kv_dim
+
+    @property
+    def v_width(self) -> int:
+        """Width of all KV heads' values as attention reads them."""
+        return self.n_kv_heads * (self.v_head_dim if self.is_mla else self.head_dim)
+
+    def kv_cache_values_per_token(self) -> int:
+        """Values one token leaves in an inference KV cache, per layer: keys and values of every KV
+        head (grouped-query attention), or the key/value latent and the shared RoPE key (latent
+        attention: DeepSeek-V2's point, 576 for DeepSeek-V3 against 2 x 128 x 128 expanded)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return self.kv_dim + self.v_width
+
+    @property
+    def rope_dim(self) -> int:
+        """Width of each head's part RoPE rotates (latent attention: the decoupled RoPE key and query)."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    def ring_kv_values_per_token(self, tp: int) -> float:
+        """Values per token one ring-attention hop carries on one TP rank (context parallelism).
+
+        Grouped-query attention: the rank's K and V heads, (k_width + v_width) / tp. Latent
+        attention passes K/V in latent form, the key/value latent and the shared RoPE key (what
+        its KV cache holds), whole on every TP rank as the down-projection that makes them; each
+        rank re-expands a visiting chunk with its own slice of kv_b (FLOPs the step model adds)
+        and sends the chunk's gradient back in the same form."""
+        if self.is_mla:
+            return float(self.kv_lora_rank + self.qk_rope_head_dim)
+        return (self.k_width + self.v_width) / tp
+
+    def _attention_params(self) -> tuple[int, int]:
+        """(TP-split, replicated) parameters of one attention block's projections and, for latent
+        attention, the latents' norms (replicated, as the down-projections that feed them)."""
+        projections = self.attention_projections()
+        split = sum(p.params for p in projections if p.split != "whole")
+        whole = sum(p.params for p in projections if p.split == "whole")
+        if self.is_mla:
+            whole += self.norm_params(self.kv_lora_rank) + (self.norm_params(self.q_lora_rank) if self.q_lora_rank else 0)
         return split, whole
 
     def layer_params(self, index: int) -> LayerParams:
@@ -381,6 +466,17 @@ class ModelSpec:
         d = self.d_model
         per = 2 * self.norm_params(d) + 2 * d * d + self.layer_params(self.n_layers - 1).total + self.norm_params(d)
         return self.n_mtp_layers * per
+
+    def describe_size(self) -> str:
+        """``671.03B parameters, 37.55B active, + 11.61B in 1 MTP module (apart)``: the counts a
+        summary line names (the MTP modules are not in the total, the bill or the step time)."""
+        out = f"{self.n_params() / 1e9:.2f}B parameters"
+        if self.is_moe:
+            out += f", {self.n_active_params() / 1e9:.2f}B active"
+        if self.n_mtp_layers:
+            out += (f", + {self.n_mtp_params() / 1e9:.2f}B in {self.n_mtp_layers} MTP module"
+                    f"{'s' if self.n_mtp_layers > 1 else ''} (apart)")
+        return out
 
     def _active_layer_params(self, index: int) -> int:
         p = self.layer_params(index)
