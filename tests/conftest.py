@@ -69,17 +69,19 @@ def pytest_terminal_summary(terminalreporter):
 # ---------------------------------------------------------------------------- shared fixtures
 @pytest.fixture(scope="session")
 def reference_losses():
-    """``reference_losses(model)``: the single-process losses of :func:`dist.make_config` with the
-    loss-equality settings, trained once per session and model (several files compare to them)."""
-    cache: dict[str, list[float]] = {}
+    """``reference_losses(model, **train)``: the single-process losses of :func:`dist.make_config`
+    with the loss-equality settings (updated by ``train``, e.g. ``dropout=True``), trained once per
+    session, model and settings (several files compare to them)."""
+    cache: dict[tuple, list[float]] = {}
 
-    def get(model: str = "tiny") -> list[float]:
-        if model not in cache:
+    def get(model: str = "tiny", **train) -> list[float]:
+        key = (model, tuple(sorted(train.items())))
+        if key not in cache:
             from dist import make_config
             from workbench.trainer.train import run_training
 
-            cache[model] = run_training(make_config("", 1, model))
-        return cache[model]
+            cache[key] = run_training(make_config("", 1, model, **train))
+        return cache[key]
 
     return get
 

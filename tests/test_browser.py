@@ -124,6 +124,16 @@ def test_planning_story_in_the_browser(app_url, chromium_browser):
     wait_for_text(page, "summary-cluster", "2 × 8 h100-80gb")
     plan_before = text_of(page, "plan-label")
     assert plan_before == "dp_shard=16 zero1"
+    # an FP8 recipe on H100s: MFU against the bf16 peak, and beside it the FP8-peak figure (half)
+    assert page.get_by_test_id("summary-mfu-fp8").count() == 0
+    tab(page, "2 · Memory")
+    page.locator("select:has(option[value='float8-tensorwise'])").locator("visible=true").first.select_option(
+        "float8-tensorwise")
+    page.get_by_test_id("summary-mfu-fp8").wait_for(timeout=20_000)
+    mfu, mfu_fp8 = (float(text_of(page, t).rstrip("%")) for t in ("summary-mfu", "summary-mfu-fp8"))
+    assert mfu_fp8 == pytest.approx(mfu / 2, abs=0.1)  # 989.4 against 1978.9 TFLOP/s dense
+    page.locator("select:has(option[value='bf16-megatron'])").locator("visible=true").first.select_option("bf16-megatron")
+    page.get_by_test_id("summary-mfu-fp8").wait_for(state="detached", timeout=20_000)
     time.sleep(1.5)  # the cluster picture is a canvas: give it time to redraw before the screenshot
     screenshot(page, "04-mesh-dgx-h100-x2-zero1")
 

@@ -3,7 +3,8 @@
 The multi-rank checks run in one set of 4 gloo processes (torch.multiprocessing spawn): the CP
 group of all 4 ranks and the two CP groups {0, 1}, {2, 3} of size 2, so one start-up serves all.
 Then whole training runs of the bundled trainer (torchrun through tests/dist.py): cp=2 and
-cp=2 x tp=2 give the single-process losses.
+cp=2 x tp=2 give the single-process losses. Latent attention's values are narrower than its keys:
+the ring pads them (a case without processes, and a latent-attention model case in the job).
 """
 
 from __future__ import annotations
@@ -79,6 +80,20 @@ def test_ring_attention_without_process_group_is_causal_attention() -> None:
         ring_attention(q, torch.zeros(2, 3, 6, 8), torch.zeros(2, 3, 6, 8))
 
 
+def test_ring_attention_takes_values_of_another_width() -> None:
+    g = torch.Generator().manual_seed(1)
+    for dv in (4, 12):  # latent attention: v_head_dim narrower (or wider) than qk_nope + qk_rope
+        q = torch.randn(2, 4, 6, 8, generator=g, requires_grad=True)
+        k = torch.randn(2, 4, 6, 8, generator=g, requires_grad=True)
+        v = torch.randn(2, 4, 6, dv, generator=g, requires_grad=True)
+        out = ring_attention(q, k, v, None)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert out.shape == (2, 4, 6, dv) and rel_err(out, ref) < 1e-6
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        for got, want in zip(grads, torch.autograd.grad(ref.sum(), (q, k, v))):
+            assert rel_err(got, want) < 1e-5
+
+
 # ---------------------------------------------------------------------- multi-rank
 def _ring_case(cp_rank: int, cp: int, group, dtype: torch.dtype, n_heads: int, n_kv: int) -> dict[str, float]:
     """Ring attention on this rank's shard vs full causal attention (fp64) on the whole sequence."""
@@ -117,12 +132,19 @@ def _tiny_spec():
     return ModelSpec(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=64, name="tiny-cp")
 
 
-def _model_case(cp_rank: int, cp: int, group) -> dict[str, float]:
+def _tiny_mla_spec():
+    from workbench.spec.model import ModelSpec
+
+    return ModelSpec(n_layers=2, d_model=32, n_heads=4, vocab_size=64, q_lora_rank=16, kv_lora_rank=16,
+                     qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, name="tiny-mla-cp")
+
+
+def _model_case(cp_rank: int, cp: int, group, spec=None) -> dict[str, float]:
     """The trainer's Transformer with apply_cp: same logits and (CP-averaged) gradients."""
     from workbench.trainer.transformer import build_model, materialize
 
     torch.manual_seed(0)
-    ref_model = materialize(build_model(_tiny_spec(), device="cpu"), "cpu", seed=7)
+    ref_model = materialize(build_model(spec or _tiny_spec(), device="cpu"), "cpu", seed=7)
     cp_model = apply_cp(copy.deepcopy(ref_model), group)
     B, S = 2, 8 * cp
     g = torch.Generator().manual_seed(99)
@@ -156,6 +178,7 @@ def ring_checks(rank: int) -> dict[str, dict[str, float]]:
                 key = f"cp={cp} {str(dtype)[6:]} heads={n_heads}/{n_kv}"
                 results[key] = _ring_case(cp_rank, cp, group, dtype, n_heads, n_kv)
         results[f"cp={cp} model"] = _model_case(cp_rank, cp, group)
+        results[f"cp={cp} latent-attention model"] = _model_case(cp_rank, cp, group, _tiny_mla_spec())
     return results
 
 
@@ -210,7 +233,7 @@ def test_ring_attention_equals_full_attention(world4) -> None:
             for what, err in errs.items():
                 worst[f"{case} {what}"] = max(worst.get(f"{case} {what}", 0.0), err)
     print("\nmax relative errors:\n" + "\n".join(f"  {k}: {v:.2e}" for k, v in sorted(worst.items())))
-    assert len(worst) == 2 * (2 * 3 * 5 + 2)
+    assert len(worst) == 2 * (2 * 3 * 5 + 2 + 2)
     for key, err in worst.items():
         # fp64: the algorithm is exact up to rounding; fp32: 1e-5 relative (fp32 eps is 1.2e-7, the
         # merges and the ring's dK/dV accumulation add a few dozen roundings). The model cases are

@@ -1,11 +1,13 @@
 """Every parallel layout trains the same numbers as one process.
 
-The tiny model, a fixed seed and the pydoc corpus; per-step losses over STEPS steps under each
-layout must equal the single-process run within relative tolerance 1e-4 (fp32 on CPU; what
-differs is only the order of floating-point reductions).
+The tiny model (or the model a layout names), a fixed seed and the pydoc corpus; per-step losses
+over STEPS steps under each layout must equal the single-process run of the same model and
+settings within relative tolerance 1e-4 (fp32 on CPU; what differs is only the order of
+floating-point reductions). A layout is a plan, or ``"<model>:<plan>"`` with a preset or a name of
+VARIANTS (a preset with other training settings: dropout).
 
 To fit the CI budget, one torchrun job per world size (tests/dist.py) runs all of its layouts in
-sequence (the process group is made once; every layout builds its own DeviceMesh), and the
+sequence (the process group is made once; every layout builds its own DeviceMesh), and each
 single-process reference runs once, in the test process (the session's ``reference_losses``).
 """
 
@@ -24,7 +26,7 @@ STEPS = LOSS_SETTINGS["steps"]  # 10
 RTOL = 1e-4
 
 # Layouts of world size 2 and 4 (cp and ep layouts are tested in test_context_parallel.py and
-# test_expert_parallel.py).
+# test_expert_parallel.py; ep with tp, expert tensor parallelism, here).
 LAYOUTS_2 = [
     "dp_replicate=2",
     "dp_shard=2",
@@ -38,6 +40,12 @@ LAYOUTS_2 = [
     "pp=2,schedule=zero-bubble,v=2",
     "pp=2,schedule=zbv,v=2",
     "pp=2,schedule=dualpipev,v=2",
+    # latent attention across stages; QK-norm (Qwen3-style, head_dim x heads > d_model) under TP;
+    # tied embeddings on two stages; dropout across stages (its masks keyed by global sample index)
+    "tiny-mla:pp=2",
+    "tiny-qk-norm:tp=2",
+    "tiny-tied:pp=2",
+    "tiny-dropout:pp=2",
 ]
 LAYOUTS_4 = [
     "dp_shard=4",
@@ -47,21 +55,48 @@ LAYOUTS_4 = [
     "pp=2,dp_shard=2",
     "pp=4,schedule=gpipe",
     "pp=4,schedule=1f1b",
+    # latent attention under TP + FSDP; expert tensor parallelism with EP; dropout under SP,
+    # data parallel and full recomputation (the masks recomputed from their keys)
+    "tiny-mla:dp_shard=2,tp=2",
+    "tiny-moe-mb4:tp=2,dp_shard=2,ep=2",
+    "tiny-dropout:dp_shard=2,tp=2",
 ]
+# A preset trained with other settings, by the name a layout gives it: (preset, TrainSettings fields).
+# tiny-moe-mb4: the auxiliary loss is a per-micro-batch statistic, so a MoE layout in micro-batches of
+# 4 (as MICRO_BATCH gives TP layouts, for time) compares with a single process in micro-batches of 4.
+VARIANTS: dict[str, tuple[str, dict]] = {"tiny-dropout": ("tiny", {"dropout": True}),
+                                         "tiny-moe-mb4": ("tiny-moe", {"micro_batch_size": 4})}
 # Meshes checked against ParallelPlan.group_ranks without training (every group dimension).
 MESH_ONLY_4 = ["cp=2,tp=2", "dp_shard=4,ep=2", "dp_shard=2,cp=2,ep=4", "dp_replicate=2,cp=2", "pp=2,dp_shard=2"]
-RECOMPUTE = {"dp_shard=2,zero=2": "full", "tp=2,sequence_parallel=0,loss_parallel=1": "selective"}
+RECOMPUTE = {"dp_shard=2,zero=2": "full", "tp=2,sequence_parallel=0,loss_parallel=1": "selective",
+             "tiny-dropout:dp_shard=2,tp=2": "full"}
 # TP's cost on CPU is per micro-batch (DTensor's dispatch and a collective around every sharded
 # matmul: 0.6-1.2 s a step of 4 micro-batches, against 0.1-0.2 s for the other layouts), so the
 # TP layouts without a pipeline take the global batch of 8 in micro-batches of 4, not 2: the same
 # per-step losses (a mean over the same 8 sequences), half the micro-batches. Accumulating over
 # several micro-batches is what every other layout checks (and TP with it: pp=2,tp=2).
-MICRO_BATCH = {"tp=2,sequence_parallel=1": 4, "tp=2,sequence_parallel=0,loss_parallel=1": 4, "dp_shard=2,tp=2": 4}
+MICRO_BATCH = {layout: 4 for layout in ("tp=2,sequence_parallel=1", "tp=2,sequence_parallel=0,loss_parallel=1",
+                                         "dp_shard=2,tp=2", "tiny-qk-norm:tp=2", "tiny-mla:dp_shard=2,tp=2",
+                                         "tiny-dropout:dp_shard=2,tp=2")}
 
 
-def make_config(plan_text: str, world: int):
-    return _make_config(plan_text, world, recompute=RECOMPUTE.get(plan_text, "none"),
-                        micro_batch_size=MICRO_BATCH.get(plan_text, LOSS_SETTINGS["micro_batch_size"]))
+def model_and_plan(layout: str) -> tuple[str, str]:
+    """``"<model>:<plan>"`` -> (model, plan); a bare plan is the tiny model's."""
+    model, _, plan = layout.rpartition(":")
+    return model or "tiny", plan
+
+
+def preset_and_settings(model: str) -> tuple[str, dict]:
+    """A layout's model name -> (preset, TrainSettings fields beyond the loss-equality settings)."""
+    return VARIANTS.get(model, (model, {}))
+
+
+def make_config(layout: str, world: int):
+    model, plan_text = model_and_plan(layout)
+    preset, settings = preset_and_settings(model)
+    train = {"recompute": RECOMPUTE.get(layout, "none"),
+             "micro_batch_size": MICRO_BATCH.get(layout, LOSS_SETTINGS["micro_batch_size"]), **settings}
+    return _make_config(plan_text, world, preset, **train)
 
 
 def worker(out_path: str, layouts: list[str]) -> None:
@@ -99,8 +134,18 @@ def reference(reference_losses) -> list[float]:
     return reference_losses("tiny")  # make_config("", 1): no recompute
 
 
-def check(results: dict[str, list[float]], reference: list[float]) -> None:
-    report = {k: max_rel_diff(v, reference) for k, v in results.items()}
+@pytest.fixture(scope="module")
+def references(reference_losses):
+    """layout -> the single-process losses of its model and settings."""
+    def of(layout: str) -> list[float]:
+        preset, settings = preset_and_settings(model_and_plan(layout)[0])
+        return reference_losses(preset, **settings)
+
+    return of
+
+
+def check(results: dict[str, list[float]], references) -> None:
+    report = {k: max_rel_diff(v, references(k)) for k, v in results.items()}
     print("\nmax relative loss difference per layout:")
     for k, d in report.items():
         print(f"  {k:40s} {d:.2e}")
@@ -113,21 +158,28 @@ def test_reference_loss_falls(reference):
     assert reference[-1] < reference[0] - 0.1
 
 
+def test_dropout_changes_the_losses(reference, references):
+    """The dropout layouts compare to a reference that really drops (not to the plain run)."""
+    dropped = references("tiny-dropout:pp=2")
+    assert max_rel_diff(dropped, reference) > 1e-3
+    assert dropped[-1] < dropped[0] - 0.1
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(500)
-def test_layouts_world_2(reference, tmp_path):
+def test_layouts_world_2(references, tmp_path):
     results = run_job(2, LAYOUTS_2, tmp_path)
     assert set(results) == set(LAYOUTS_2)
-    check(results, reference)
+    check(results, references)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(500)
-def test_layouts_world_4(reference, tmp_path):
+def test_layouts_world_4(references, tmp_path):
     results = run_job(4, LAYOUTS_4, tmp_path)
     groups = results.pop("_mesh_groups_rank0")
     assert set(results) == set(LAYOUTS_4)
-    check(results, reference)
+    check(results, references)
     from workbench import ParallelPlan
 
     for text in MESH_ONLY_4:

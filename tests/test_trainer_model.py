@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,8 +11,8 @@ import torch.nn.functional as F
 
 from workbench import ModelSpec
 from workbench.trainer.data import BatchLoader, decode, encode, load_tokens
-from workbench.trainer.transformer import MoE, build_model, causal_sdpa, materialize
-from workbench.trainer.pipeline import split_stage, stage_layers
+from workbench.trainer.transformer import MoE, build_model, causal_sdpa, dropout_keep_mask, materialize
+from workbench.trainer.pipeline import split_stage, stage_layers, sum_tied_grads, tied_copies
 from workbench.trainer.train import lr_at
 
 ODD_SPECS = {
@@ -22,10 +23,15 @@ ODD_SPECS = {
                                shared_expert_gate=True, first_k_dense_layers=1),
     "mqa-gelu-moe": ModelSpec(n_layers=2, d_model=32, n_heads=4, n_kv_heads=1, vocab_size=50, activation="gelu",
                               n_experts=3, top_k=1, moe_d_ff=24),
+    # DeepSeek-V2-Lite-like: latent attention with a plain query projection, sigmoid grouped routing
+    "deepseek-like": ModelSpec(n_layers=3, d_model=48, n_heads=4, vocab_size=80, kv_lora_rank=16, qk_nope_head_dim=8,
+                               qk_rope_head_dim=4, v_head_dim=6, n_experts=8, top_k=2, n_shared_experts=2, moe_d_ff=16,
+                               first_k_dense_layers=1, scoring="sigmoid", n_expert_groups=4, topk_groups=2,
+                               routed_scaling=2.5, router_bias=True),
 }
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", *ODD_SPECS])
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-mla", "tiny-qk-norm", "tiny-tied", *ODD_SPECS])
 def test_parameter_count_matches_spec(name):
     spec = ModelSpec.preset(name) if name in ModelSpec.presets() else ODD_SPECS[name]
     model = build_model(spec)  # meta: no memory
@@ -34,6 +40,18 @@ def test_parameter_count_matches_spec(name):
     materialize(model, "cpu", seed=0)
     logits = model(torch.randint(0, spec.vocab_size, (2, 16)))
     assert logits.shape == (2, 16, spec.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_deepseek_v3_on_meta_counts_as_the_spec():
+    """The whole of DeepSeek-V3 (671B parameters) built on the meta device: the count is the spec's,
+    multi-token prediction apart; the score correction bias is a frozen parameter."""
+    spec = ModelSpec.preset("deepseek-v3")
+    model = build_model(spec)
+    assert sum(p.numel() for p in model.parameters()) == spec.n_params() == 671_026_419_200
+    bias = model.layers["3"].moe.router.bias
+    assert bias.shape == (256,) and not bias.requires_grad
+    assert model.layers["0"].attention.q_b.weight.shape == (128 * (128 + 64), 1536)
+    assert model.layers["0"].attention.kv_a.weight.shape == (512 + 64, 7168)
 
 
 def test_init_depends_on_seed_and_name_only():
@@ -165,6 +183,127 @@ def test_moe_aux_loss_reaches_the_router_without_changing_the_output():
     assert not torch.allclose(gate.weight.grad, g0)
     # Without the injection, aux only reaches the router through it: the output grad is unchanged.
     torch.testing.assert_close(model.output.weight.grad, o0)
+
+
+def naive_deepseek_route(scores: torch.Tensor, bias: torch.Tensor, groups: int, topk_groups: int, k: int,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's gate, token by token: groups ranked by their two best biased scores, experts
+    chosen by biased score among the best groups, weighted by their unbiased scores."""
+    experts, weights = [], []
+    for row in scores:
+        biased = (row + bias).view(groups, -1)
+        best = biased.topk(2, -1).values.sum(-1).topk(topk_groups).indices.tolist()
+        allowed = [g * biased.shape[1] + j for g in best for j in range(biased.shape[1])]
+        chosen = sorted(allowed, key=lambda e: -float(row[e] + bias[e]))[:k]
+        w = row[chosen]
+        experts.append(chosen)
+        weights.append(w / w.sum() * scale)
+    return torch.tensor(experts), torch.stack(weights)
+
+
+def test_deepseek_routing_groups_bias_and_scaling():
+    spec = ODD_SPECS["deepseek-like"]
+    model = materialize(build_model(spec), "cpu", seed=0)
+    router = model.layers["1"].moe.router
+    assert torch.equal(router.bias, torch.zeros(8))  # zeros: no auxiliary-loss-free update
+    with torch.no_grad():
+        router.bias.copy_(torch.linspace(-0.3, 0.3, 8))  # selection only: weights stay unbiased
+        x = torch.randn(40, spec.d_model)
+        probs, weights, experts = router(x)
+        scores = torch.sigmoid(router.gate(x))
+    want_experts, want_weights = naive_deepseek_route(scores, router.bias, 4, 2, 2, 2.5)
+    assert torch.equal(experts.sort(-1).values, want_experts.sort(-1).values)
+    torch.testing.assert_close(weights.sum(-1), torch.full((40,), 2.5))
+    torch.testing.assert_close(weights, want_weights)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(40))  # the aux loss sees a distribution per token
+    out = model(torch.randint(0, 80, (2, 8)))
+    out.sum().backward()
+    assert router.bias.grad is None and router.gate.weight.grad is not None
+
+
+def test_dropout_mask_is_a_function_of_its_keys():
+    """The same element gets the same mask whichever rank computes it: a shard of the batch (data
+    parallel), of the sequence (sequence and context parallel) or a later step differ only by
+    their keys. The rate is p."""
+    samples, positions = torch.arange(8), torch.arange(32)
+    full = dropout_keep_mask(0.1, 1, 3, 2, 1, samples, positions, 64)  # (8, 32, 64)
+    assert full.shape == (8, 32, 64)
+    assert abs(1 - float(full.float().mean()) - 0.1) < 0.01
+    part = dropout_keep_mask(0.1, 1, 3, 2, 1, samples[4:6], positions[8:24], 64)  # a rank's rows, its shard
+    assert torch.equal(part, full[4:6, 8:24])
+    zigzag = torch.tensor([0, 1, 2, 3, 28, 29, 30, 31])  # a context-parallel rank's positions
+    assert torch.equal(dropout_keep_mask(0.1, 1, 3, 2, 1, samples, zigzag, 64), full[:, zigzag])
+    # another seed, step, layer or site: another mask
+    for other in [(0.1, 2, 3, 2, 1), (0.1, 1, 4, 2, 1), (0.1, 1, 3, 3, 1), (0.1, 1, 3, 2, 2)]:
+        assert not torch.equal(dropout_keep_mask(*other, samples, positions, 64), full)
+    assert bool(dropout_keep_mask(0.0, 1, 3, 2, 1, samples, positions, 64).all())
+
+
+def test_dropout_only_in_training_and_reproducible():
+    spec = ModelSpec.preset("tiny")
+    plain = materialize(build_model(spec), "cpu", seed=0)
+    dropped = materialize(build_model(spec, dropout=0.1, dropout_seed=5), "cpu", seed=0)
+    x = torch.randint(0, 256, (2, 16))
+    base = plain(x)
+    out = dropped(x)
+    assert not torch.allclose(out, base)
+    torch.testing.assert_close(dropped(x), out, rtol=0, atol=0)  # the same keys, the same masks
+    dropped.dropout_step = 1
+    assert not torch.allclose(dropped(x), out)
+    # rows 2 and 3 of a batch of 4 are what a second data-parallel rank computes with samples (2, 3)
+    x4 = torch.randint(0, 256, (4, 16))
+    torch.testing.assert_close(dropped(x4[2:], samples=torch.tensor([2, 3])), dropped(x4)[2:], rtol=1e-5, atol=1e-5)
+    dropped.eval()
+    torch.testing.assert_close(dropped(x), base, rtol=0, atol=0)
+
+
+def test_tied_weights_stay_equal_across_stages():
+    """Stage 0 holds the table, the last stage the output projection (one rank with both, as a V
+    schedule places them): initialised equal, their gradients summed to the tied model's, equal
+    after an optimizer step; the norm counts the pair once."""
+    spec = ModelSpec.preset("tiny-tied")
+    whole = materialize(build_model(spec), "cpu", seed=2)
+    stages = [materialize(split_stage(build_model(spec), s, 2, ids), "cpu", seed=2)
+              for s, ids in enumerate([[0, 1], [2, 3]])]
+    table, head = stages[0].tok_embeddings.weight, stages[1].output.weight
+    assert table is not head and torch.equal(table, head) and torch.equal(table, whole.tok_embeddings.weight)
+    x = torch.randint(0, 256, (2, 12))
+    whole(x).square().mean().backward()
+    stages[1](stages[0](x)).square().mean().backward()
+    sum_tied_grads(stages, None)
+    torch.testing.assert_close(table.grad, whole.tok_embeddings.weight.grad)
+    assert torch.equal(table.grad, head.grad)
+    assert tied_copies(stages) == {id(head)} and tied_copies([whole]) == set()
+    optimizer = torch.optim.AdamW([p for m in stages for p in m.parameters()], lr=1e-2)
+    optimizer.step()
+    assert torch.equal(table, head) and not torch.equal(table, whole.tok_embeddings.weight)
+
+
+def test_trainable_refuses_only_what_it_does_not_build():
+    from dist import make_config
+    from workbench.spec.trainable import unsupported
+
+    runs = [("tiny-moe", "tp=2"), ("tiny-qk-norm", "tp=2"), ("tiny-tied", "pp=2"), ("tiny-mla", "tp=2"),
+            ("tiny-mla", "cp=2")]
+    for model, plan in runs:
+        assert unsupported(make_config(plan, 2, model)) == [], (model, plan)
+    assert unsupported(make_config("dp_shard=2", 2, "tiny", dropout=True, dropout_rate=0.2)) == []
+    mtp = replace(ModelSpec.preset("tiny-mla"), n_mtp_layers=1)
+    (why,) = unsupported(make_config("", 1, mtp))
+    assert why.startswith("n_mtp_layers=1: the bundled trainer trains the main model only")
+    biased = replace(ModelSpec.preset("tiny-moe"), linear_bias=True, activation="gelu", norm="layernorm")
+    assert "linear_bias" in unsupported(make_config("tp=2", 2, biased))[0]
+    no_sp = unsupported(make_config("tp=2,sequence_parallel=0", 2, "tiny-moe", seq_len=31))
+    assert "seq_len / cp = 31 divisible by tp" in no_sp[0]
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5])
+def test_dropout_rate_is_validated(rate):
+    from workbench import ConfigError, TrainSettings
+
+    with pytest.raises(ConfigError, match=rf"dropout_rate={rate} must be in \[0, 1\)") as e:
+        TrainSettings(dropout=True, dropout_rate=rate)
+    assert e.value.field == "dropout_rate"
 
 
 def test_data_slices_and_state():

@@ -52,6 +52,11 @@ INPUT_PARAMS = ("model", "model_error", "cluster", "nodes", "seq_len", "global_b
 PASSED_TRAIN_PARAMS = ("attention",)
 
 
+def _fp8_mfu(step: Any) -> str:
+    """`` (30.7% of the FP8 peak)`` beside an FP8 recipe's MFU, else nothing."""
+    return "" if step.mfu_fp8_peak is None else f" ({step.mfu_fp8_peak:.1%} of the FP8 peak)"
+
+
 @dataclass(frozen=True)
 class Search:
     """One search's inputs, taken from the state on the page's thread before the worker starts."""
@@ -261,7 +266,7 @@ class AdvisorView(pn.viewable.Viewer):
         self._band.object = self.band_html(advice)
         base = advice.baseline
         baseline = (f"plain data parallel: {format_seconds(base.prediction.step_time_s)} per step, "
-                    f"MFU {base.prediction.mfu:.1%}" if base.fits else base.reason)
+                    f"MFU {base.prediction.mfu:.1%}" + _fp8_mfu(base.prediction) if base.fits else base.reason)
         gain = advice.gain_over_baseline()
         seconds = getattr(self, "_seconds", 0.0)
         items = [card("Top plans", str(len(advice)), "n-plans", note=f"{advice.stats.get('plans', 0):,} plans checked, "
@@ -275,7 +280,8 @@ class AdvisorView(pn.viewable.Viewer):
         if advice:
             best = advice[0]
             items.append(card("Best", best.plan.describe(), "best-plan",
-                              note=f"MFU {best.prediction.mfu:.1%}, {format_bytes(best.memory.peak_bytes)}", tone="good"))
+                              note=f"MFU {best.prediction.mfu:.1%}{_fp8_mfu(best.prediction)}, "
+                                   f"{format_bytes(best.memory.peak_bytes)}", tone="good"))
         items.append(card("Baseline", "fits" if base.fits else "does not fit", "baseline",
                           note=baseline + (f" — best is {gain:.2f}x faster" if gain else ""),
                           tone="" if base.fits else "warn"))

@@ -86,7 +86,9 @@ def summary_html(config: "RunConfig | None", error: str, model_name: str) -> Htm
              tone="good" if fit.fits else "bad"),
         card("Step time", head["step"], "summary-step",
              note=render('MFU <span data-testid="summary-mfu">{}</span>, bubble '
-                         '<span data-testid="summary-bubble">{}</span>', head["mfu"], head["bubble"])),
+                         '<span data-testid="summary-bubble">{}</span>', head["mfu"], head["bubble"])
+             + (render(', <span data-testid="summary-mfu-fp8">{}</span> of the FP8 peak', head["mfu_fp8"])
+                if head["mfu_fp8"] else "")),
         card("Throughput", head["tokens_per_s_per_gpu"], "summary-tps", note="tokens/s per GPU"),
         card("Framework", train.profile.name, "summary-framework", note=band_text(train.profile)),
     ])

@@ -81,7 +81,8 @@ def plan_pipeline_cards(pred: PlanPrediction) -> Html:
     head = step_headline(pred.step)
     config = pred.config
     items = [
-        card("Step time", head["step"], "plan-step", note=f"MFU {head['mfu']}: the sidebar's prediction"),
+        card("Step time", head["step"], "plan-step", note=f"MFU {head['mfu']}"
+             + (f" ({head['mfu_fp8']} of the FP8 peak)" if head["mfu_fp8"] else "") + ": the sidebar's prediction"),
         card("Bubble", head["bubble"], "plan-bubble",
              note=f"pipeline rank {pred.step.critical_pp_rank} idle, share of the step"),
     ]

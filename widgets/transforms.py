@@ -140,6 +140,8 @@ def step_headline(step: Any) -> dict[str, str]:
         "step": format_seconds(step.step_time_s),
         "bubble": f"{step.bubble_fraction:.1%}",
         "mfu": f"{step.mfu:.1%}",
+        # against the FP8 peak, where an FP8 recipe runs the Linears on FP8 tensor cores ("": none)
+        "mfu_fp8": "" if step.mfu_fp8_peak is None else f"{step.mfu_fp8_peak:.1%}",
         "tokens_per_s_per_gpu": format_rate(step.tokens_per_s_per_gpu),
     }
 

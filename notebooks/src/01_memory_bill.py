@@ -47,6 +47,8 @@ state_colors = [COMPONENT_COLORS[c] for c in STATES]
 # | `bf16-zero` | the ZeRO paper's mixed-precision Adam: 2 + 2 + *K*, *K* = 12 | 2 + 2 + 8 + 4 = 16 |
 # | `fsdp2-bf16` | FSDP2 `MixedPrecisionPolicy(bf16, reduce fp32)`: fp32 sharded weights *are* the master | 4 + 4 + 8 = 16 |
 # | `bf16` | pure bf16, no master copy | 2 + 2 + 4 = 8 |
+# | `float8-tensorwise`, `float8-rowwise` | torchao FP8 Linears over `fsdp2-bf16`'s dtypes | 4 + 4 + 8 = 16 |
+# | `te-fp8` | Transformer Engine FP8 over `bf16-megatron`'s dtypes (+ 2 bytes of cached FP8 weights per Linear parameter, billed in buffers) | 2 + 4 + 8 + 4 = 18 |
 
 # %%
 recipes = {}
@@ -58,7 +60,8 @@ per_param["total"] = per_param.sum(axis=1)
 per_param
 
 # %%
-assert per_param["total"].to_dict() == {"fp32": 16, "bf16-megatron": 18, "bf16-zero": 16, "fsdp2-bf16": 16, "bf16": 8}
+assert per_param["total"].to_dict() == {"fp32": 16, "bf16-megatron": 18, "bf16-zero": 16, "fsdp2-bf16": 16, "bf16": 8,
+                                        "float8-tensorwise": 16, "float8-rowwise": 16, "te-fp8": 18}
 assert per_param.loc["bf16-zero", ["optimizer", "master_weights"]].sum() == 12  # the ZeRO paper's K
 
 # %%

@@ -50,7 +50,7 @@ from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
 from workbench.spec.errors import ConfigError, check_instance, check_int
 from workbench.predict.memory import MemoryBill, estimate_memory
 from workbench.spec.model import ModelSpec
-from workbench.predict.perf import StepPrediction, predict_step, unit_makespan
+from workbench.predict.perf import StepPrediction, _fp8_matmul_rate, predict_step, unit_makespan
 from workbench.spec.plan import ParallelPlan
 
 GiB = float(1 << 30)
@@ -216,7 +216,8 @@ class PlanCandidate:
             f"{self.plan.describe()}, global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x "
             f"{self.config.n_microbatches} per replica, {RECOMPUTE_WORDS[t.recompute]}: "
             f"{self.memory.peak_bytes / GiB:.1f} GiB ({self.headroom_bytes / GiB:.1f} GiB free), "
-            f"step {p.step_time_s:.3f} s, MFU {p.mfu:.1%}, "
+            f"step {p.step_time_s:.3f} s, MFU {p.mfu:.1%}"
+            + (f" ({p.mfu_fp8_peak:.1%} of the FP8 peak)" if p.mfu_fp8_peak is not None else "") + ", "
             f"bubble {p.bubble_fraction:.1%}, {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
         )
 
@@ -494,12 +495,15 @@ def _stage_floors(config: RunConfig) -> tuple[tuple[float, float, float], ...]:
     # attention projection MACs per token, x t: divided by t below with the MLP's (what is whole
     # on every TP rank, latent attention's down-projections, stays whole)
     attn_gemms = sum(k * n for _, _, k, n in model.attention_gemms(t)) * t
-    dense_mm = 2 * tokens * (attn_gemms + mats * h * model.d_ff) / t / rate
+    # an FP8 recipe's Linears run at the FP8 rate: the block's GEMMs all at the faster of the two
+    # rates stays a lower bound (its casts only add time); the output layer stays at bf16's
+    block_rate = max(rate, _fp8_matmul_rate(config, eff) or 0.0)
+    dense_mm = 2 * tokens * (attn_gemms + mats * h * model.d_ff) / t / block_rate
     moe_mm = 0.0
     if model.is_moe:  # the router, the top_k experts each token visits, the shared experts
         shared = model.n_shared_experts * (model.shared_d_ff or model.moe_d_ff)
         moe_mm = 2 * tokens * ((attn_gemms + mats * h * (model.top_k * model.moe_d_ff + shared)) / t
-                               + h * model.n_experts) / rate
+                               + h * model.n_experts) / block_rate
     hidden_moe = model.top_k * model.moe_d_ff + model.n_shared_experts * (model.shared_d_ff or 0)
     attn = 2 * tokens * (train.seq_len / 2) * (model.q_dim + model.v_dim) / t / attn_rate  # per layer, forward
     counts = plan.stage_layer_counts(model.n_layers)
@@ -628,22 +632,30 @@ def _search(s: _Search, top: int) -> list[PlanCandidate]:
     return finalists + [c for _, c in rest]
 
 
-def _baseline(s: _Search) -> Baseline:
-    """Plain data parallel over every GPU, at the search's batch and under its headroom."""
-    cluster = s.cluster
+def naive_baseline(model: ModelSpec, cluster: Cluster, train: TrainSettings,
+                   headroom: float = DEFAULT_HEADROOM) -> Baseline:
+    """The naive baseline of a job: plain data parallel over every GPU of ``cluster`` (each rank
+    holds the whole model, gradients all-reduced; nothing else changed), at ``train``'s batch, and
+    whether it fits with ``headroom`` of HBM left free (the reason in words where it does not)."""
     plan = ParallelPlan(dp_shard=cluster.world_size, zero_stage=0)
     try:
-        cfg = RunConfig(s.model, cluster, plan, s.train)
+        cfg = RunConfig(model, cluster, plan, train)
     except ConfigError as e:
         return Baseline(None, None, None, f"plain data parallel is invalid: {e}")
     bill = estimate_memory(cfg)
-    if not s.fits(bill):
-        free = f" less {percent(s.headroom)} headroom" if s.headroom else ""
+    limit = math.floor((1 - headroom) * cluster.gpu.hbm_bytes)  # _Search.fits: the same rule
+    if bill.peak_bytes > limit:
+        free = f" less {percent(headroom)} headroom" if headroom else ""
         return Baseline(cfg, bill, None, (
             f"plain data parallel over {cluster.world_size} GPUs needs {bill.peak_bytes / GiB:.1f} GiB per GPU "
             f"(model states {sum(bill.components[k] for k in ('parameters', 'gradients', 'optimizer', 'master_weights')) / GiB:.1f} GiB) "
-            f"> {s.limit_bytes / GiB:.1f} GiB ({bill.hbm_bytes / GiB:.0f} GiB{free})"))
+            f"> {limit / GiB:.1f} GiB ({bill.hbm_bytes / GiB:.0f} GiB{free})"))
     return Baseline(cfg, bill, predict_step(cfg, memory=bill), "fits")
+
+
+def _baseline(s: _Search) -> Baseline:
+    """Plain data parallel over every GPU, at the search's batch and under its headroom."""
+    return naive_baseline(s.model, s.cluster, s.train, s.headroom)
 
 
 def advise(model: ModelSpec, cluster: Cluster, train: TrainSettings, top: int = 10,

@@ -44,6 +44,7 @@ from typing import Callable
 from workbench.spec.cluster import Cluster
 from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
 from workbench.spec.errors import check_choice, check_instance, require
+from workbench.spec.float8 import converted_params
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
 from workbench.predict.pipeline import schedule_order
@@ -321,6 +322,9 @@ class _Unit:
     count: int
     # FSDP all-gathers of one such unit per step, (forward, backward): see _fsdp_gathers
     gathers: tuple[int, int] = (0, 0)
+    # of ``dense``, the parameters all-gathered in FP8 (1 byte each): the Linear weights of an FP8
+    # recipe with FSDP float8 all-gather (workbench.spec.float8); the rest in the compute dtype
+    fp8: float = 0.0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -412,6 +416,13 @@ def _rank_collectives(config: "RunConfig", pp_rank: int) -> list[Collective]:
     # never resharded after forward). The root leads the forward when the rank holds stage 0.
     (pd, ed), (pm, em), p_emb, p_out = _unit_params(model, t, ep)
     gathers = _fsdp_gathers(plan, m, pp_rank)
+    fp8 = train.fp8
+    # FP8 all-gather (torchao's enable_fsdp_float8_all_gather): the attention and MLP Linear
+    # weights of a block travel in FP8; its norms, and the root (embeddings, output head), do not
+    fp8_d = fp8_m = 0.0
+    if fp8 is not None and fp8.fsdp_fp8_all_gather:
+        fp8_d = converted_params(model, 0, t, ep, fp8) if model.n_dense_layers else 0.0
+        fp8_m = converted_params(model, model.n_layers - 1, t, ep, fp8) if model.is_moe else 0.0
     units = []
     root = (p_emb if has_first else 0.0) + (p_out if has_last else 0.0)
     if root:
@@ -419,11 +430,13 @@ def _rank_collectives(config: "RunConfig", pp_rank: int) -> list[Collective]:
         units.append(_Unit("root (embedding, output)", root, 0.0, 1, gathers[stage][1]))
     for stage, n_dense, n_moe, *_ in layout:
         if n_dense:
-            units.append(_Unit("dense block", pd, ed, n_dense, gathers[stage][0]))
+            units.append(_Unit("dense block", pd, ed, n_dense, gathers[stage][0], fp8_d))
         if n_moe:
-            units.append(_Unit("MoE block", pm, em, n_moe, gathers[stage][0]))
+            units.append(_Unit("MoE block", pm, em, n_moe, gathers[stage][0], fp8_m))
     first_unit = units[0].name if units else ""
     _gradient_sync(b, plan, train, units, first_unit, m)
+    if fp8 is not None:
+        _fp8_scale_sync(b, config, layers, m)
     if t > 1 and sp > 1 and layers:
         # Norm weights are replicated over TP while SP gives each rank a slice of the tokens: their
         # gradients are partial sums, all-reduced once per step (torch's SequenceParallel; Megatron's
@@ -441,11 +454,17 @@ def _rank_collectives(config: "RunConfig", pp_rank: int) -> list[Collective]:
         # after; backward swaps them. Without SP: g = all-reduce forward, f = all-reduce backward.
         k = 2 * layers * m
         if sp > 1:
+            # An FP8 recipe with FP8 TP (torchao tensorwise's Float8ColwiseParallel and
+            # PrepareFloat8ModuleInput, TE's quantized gather_along_first_dim) casts before the
+            # all-gathers: the input forward, the output gradient backward, 1 byte an element
+            fp8_gather = fp8 is not None and fp8.tp_fp8_all_gather
             for op in ("all_gather", "reduce_scatter"):
-                b.add("tp", op, "forward", f"SP {op.replace('_', '-')} around attention and MLP", act, k, False)
-                b.add("tp", op, "backward", f"SP {op.replace('_', '-')} (gradient) around attention and MLP", act, k, False)
+                size = act / e if (fp8_gather and op == "all_gather") else act
+                what = f"SP {op.replace('_', '-')}" + (" (fp8)" if size != act else "")
+                b.add("tp", op, "forward", f"{what} around attention and MLP", size, k, False)
+                b.add("tp", op, "backward", f"{what} (gradient) around attention and MLP", size, k, False)
                 if recompute:
-                    b.add("tp", op, "backward", f"SP {op.replace('_', '-')} recomputed (full recompute)", act, k, False)
+                    b.add("tp", op, "backward", f"{what} recomputed (full recompute)", size, k, False)
         else:
             b.add("tp", "all_reduce", "forward", "TP all-reduce after row-parallel linears", act, k, False)
             b.add("tp", "all_reduce", "backward", "TP all-reduce of input gradients of column-parallel linears", act, k, False)
@@ -532,6 +551,31 @@ def _fsdp_gathers(plan: ParallelPlan, m: int, pp_rank: int) -> dict[int, tuple[t
     return out
 
 
+def _fp8_scale_sync(b: _Builder, config: "RunConfig", layers: int, m: int) -> None:
+    """The FP8 recipe's scale traffic: fp32 amaxes, a few bytes per FP8 tensor, latency-bound.
+
+    * torchao tensorwise with FSDP float8 all-gather: one all-reduce over the FSDP group after the
+      optimizer step gives every Linear weight its scale (``precompute_float8_dynamic_scale_for_fsdp``,
+      "a single all-reduce"); activations and gradients are scaled locally.
+    * TE delayed scaling: the amaxes of every FP8 tensor are all-reduced after each forward and each
+      backward (``reduce_amax``, over Megatron's amax-reduction group; billed on the data-parallel
+      group, its widest part).
+    """
+    plan, model, fp8 = config.plan, config.model, config.train.fp8
+    if fp8 is None or not layers:
+        return
+    n_gemms = len(model.attention_gemms(plan.tp)) + 2  # the block's fused GEMMs: attention's, up (+ gate), down
+    data_dim = "dp_cp" if plan.cp > 1 else ("dp" if plan.dp_shard > 1 else "dp_replicate")
+    if fp8.weight_amax_reduce_per_step and plan.zero_stage == 3 and _degree(plan, "dp_shard_cp") > 1:
+        weights = len(model.attention_projections()) + (3 if model.activation == "swiglu" else 2)  # torchtitan's nn.Linears
+        b.add("dp_shard_cp", "all_reduce", "step", "FP8 weight-amax all-reduce (float8 scales for FSDP)",
+              4 * weights * layers, 1, False)
+    if fp8.amax_reduce_per_microbatch:
+        dim = data_dim if plan.dp * plan.cp > 1 else "tp"
+        b.add(dim, "all_reduce", "forward", "FP8 amax reduction (delayed scaling)", 4 * 3 * n_gemms * layers, m, False)
+        b.add(dim, "all_reduce", "backward", "FP8 amax reduction (delayed scaling)", 4 * 2 * n_gemms * layers, m, False)
+
+
 def _gradient_sync(b: _Builder, plan: ParallelPlan, train: "TrainSettings", units: list[_Unit], first_unit: str, m: int) -> None:
     """ZeRO / FSDP / DDP traffic of every unit, for dense parameters and routed experts, as the
     bundled trainer runs it (FSDP2 ``fully_shard`` per block and per stage root).
@@ -566,8 +610,11 @@ def _gradient_sync(b: _Builder, plan: ParallelPlan, train: "TrainSettings", unit
             label = f"{u.name} {what}"
             if z >= 2 and n_shard > 1:
                 fwd, bwd = u.gathers
-                b.add_split(shard_dim, "all_gather", "forward", f"FSDP all-gather of {label}", p * e, u.count * fwd, lead)
-                b.add(shard_dim, "all_gather", "backward", f"FSDP all-gather of {label}", p * e, u.count * bwd, True)
+                # the FP8 recipe's Linear weights travel in FP8 (1 byte), the rest in the compute dtype
+                gathered = p * e if kind == "experts" else (p - u.fp8) * e + u.fp8
+                ag = f"FSDP all-gather of {label}" + (" (Linear weights in fp8)" if gathered != p * e else "")
+                b.add_split(shard_dim, "all_gather", "forward", ag, gathered, u.count * fwd, lead)
+                b.add(shard_dim, "all_gather", "backward", ag, gathered, u.count * bwd, True)
                 b.add_split(shard_dim, "reduce_scatter", "backward", f"FSDP reduce-scatter of {label} gradients", p * g, u.count, lead)
             elif z == 1 and n_shard > 1:
                 b.add_split(shard_dim, "reduce_scatter", "backward", f"ZeRO-1 reduce-scatter of {label} gradients", p * g, u.count, lead)

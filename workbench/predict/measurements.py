@@ -44,8 +44,9 @@ from workbench.predict.stats import percentile, spearman
 
 DATA = Path(__file__).resolve().parent / "data"
 PUBLISHED = (DATA / "mpt-h100-bf16.csv",)
-# Peak-memory tables: their throughput is not priceable (GPUs without a preset), so they stay out
-# of PUBLISHED (``workbench validate``'s throughput check).
+# torchtitan's tables (bf16 and float8; peak memory and throughput): their H100s are power-capped at
+# 500 W, which the datasheet peaks do not model, so they stay out of PUBLISHED (``workbench
+# validate``'s throughput check); tests/test_measurements.py checks them (data/README.md).
 PUBLISHED_MEMORY = (DATA / "torchtitan.csv",)
 GiB = float(1 << 30)
 MAX_CSV_BYTES = 16 << 20  # a table of runs is kilobytes; refuse to read a device or a huge file
@@ -122,11 +123,19 @@ def _number(r: dict[str, str], name: str, row: int, kind: type = float) -> Any:
         raise ConfigError(f"row {row}: {name}={text!r} is not a number", field=name, value=text) from None
 
 
-def measurement_from_row(r: dict[str, str], row: int, framework: "str | FrameworkProfile | None" = None) -> Measurement:
+def measurement_from_row(r: dict[str, str], row: int, framework: "str | FrameworkProfile | None" = None,
+                         base: "str | os.PathLike | None" = None) -> Measurement:
     """One CSV row (as :class:`csv.DictReader` gives it) -> Measurement, by the one RunConfig
-    builder, priced under ``framework`` if given, else the row's ``framework`` column. Raises
-    :class:`ConfigError` naming the row and the field."""
+    builder, priced under ``framework`` if given, else the row's ``framework`` column. A relative
+    ``cluster`` JSON path that is not found from the working directory is read from ``base`` (the
+    table's directory, so a table can ship its cluster beside it). Raises :class:`ConfigError`
+    naming the row and the field."""
     r = {k: (v or "").strip() for k, v in r.items() if k is not None}
+    cluster = r.get("cluster", "")
+    if base is not None and cluster.endswith(".json") and not os.path.isabs(cluster) and not os.path.exists(cluster):
+        beside = Path(base) / cluster
+        if beside.is_file():
+            r["cluster"] = str(beside)
     shape = {k: _value(k, v, row) for k, v in r.items() if k in _MODEL_FIELDS and k != "name" and v}
     label = r.get("label", "")
     try:
@@ -169,7 +178,7 @@ def load_measurements(path: str | os.PathLike, framework: "str | FrameworkProfil
         raise ConfigError(f"measured={str(path)!r} is not a CSV table ({err})", field="measured") from None
     require(bool(rows), f"measured={str(path)!r} holds no rows under a header line", field="measured",
             value=str(path))
-    return [measurement_from_row(r, i, framework) for i, r in enumerate(rows, start=1)]
+    return [measurement_from_row(r, i, framework, Path(path).parent) for i, r in enumerate(rows, start=1)]
 
 
 def published_measurements(framework: "str | FrameworkProfile | None" = None) -> list[Measurement]:
@@ -179,7 +188,13 @@ def published_measurements(framework: "str | FrameworkProfile | None" = None) ->
 
 def published_memory_measurements(framework: "str | FrameworkProfile | None" = None) -> list[Measurement]:
     """The published peak-memory tables that ship with the project (``predict/data/``, see its
-    README): the measured ``peak_memory_bytes`` of each row, to check the memory bill against."""
+    README): the rows with a measured ``peak_memory_bytes``, to check the memory bill against."""
+    return [m for m in published_torchtitan_measurements(framework) if m.peak_memory_bytes is not None]
+
+
+def published_torchtitan_measurements(framework: "str | FrameworkProfile | None" = None) -> list[Measurement]:
+    """Every row of the torchtitan tables that ship with the project (bf16 and float8; peak memory
+    and/or throughput, see ``predict/data/README.md``)."""
     return [m for p in PUBLISHED_MEMORY for m in load_measurements(p, framework)]
 
 

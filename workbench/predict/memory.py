@@ -27,6 +27,11 @@
     (the recomputed block, the gradients of its widest tensors and the sequence-parallel gather,
     FSDP's gathered units and their unsharded gradients and reduce-scatter input, DDP buckets,
     MoE dispatch, the context-parallel ring's K/V chunks).
+    An FP8 recipe (:mod:`workbench.spec.float8`) adds what it keeps all step to the buffers: TE's
+    cached FP8 weights and their transposes, 2 bytes per local Linear parameter, and the amax
+    histories; with FSDP float8 all-gather the gathered units hold their Linear weights in FP8.
+    TE's saved Linear inputs are FP8 in ``activations`` (:func:`fp8_saved_input_bytes`); torchao's
+    are the bf16 run's.
 ``overhead``
     The CUDA context (``cluster.gpu.context_bytes``) and allocator fragmentation
     (``train.fragmentation``, the framework profile's unless the job sets one, x everything else):
@@ -52,6 +57,7 @@ from functools import cached_property
 
 from workbench.spec.config import DTYPE_BYTES, RunConfig, TrainSettings
 from workbench.spec.errors import check_choice, check_instance
+from workbench.spec.float8 import converted_params
 from workbench.spec.framework import SELECTIVE_POLICIES, MemoryConventions
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import ParallelPlan
@@ -333,7 +339,8 @@ def activation_bytes_per_layer(
         act += _latent_bytes(model, e, sb)
     if train.attention == "eager" and recompute != "selective":
         scores = sb * a * train.seq_len / t  # each local query against every key
-        act += scores * (2 * e + 1 if drop else e)  # softmax output (+ dropout mask and output)
+        attention_drop = drop and (conventions is None or conventions.attention_dropout)
+        act += scores * (2 * e + 1 if attention_drop else e)  # softmax output (+ dropout mask and output)
     elif train.attention == "flash" and recompute != "selective":
         act += 4 * sb * a / t  # fp32 log-sum-exp per query and head
     act += e * sb * model.v_dim / t  # output-projection input
@@ -376,6 +383,48 @@ def _latent_bytes(model: ModelSpec, e: int, sb: float) -> float:
     Megatron's ``--recompute-modules mla_up_proj``, not billed here."""
     q_latent, kv_latent = model.latent_dims
     return e * sb * (2 * q_latent + 2 * kv_latent + model.qk_rope_head_dim)
+
+
+def fp8_saved_input_bytes(model: ModelSpec, train: TrainSettings, plan: ParallelPlan, moe: bool = False,
+                          recompute: str | None = None, selective_policy: str = "attention") -> float:
+    """What an FP8 recipe that saves its Linears' inputs in FP8 (Transformer Engine:
+    ``saved_inputmat`` is the quantized input) changes in what one block keeps for backward, per
+    micro-batch (negative: bytes saved), against :func:`activation_bytes_per_layer`'s accounting.
+
+    The Linears' saved inputs drop from e to ``saved_input_bytes`` per element: the attention and
+    MLP inputs (the norm outputs, s b h / sp each), the MLP's down-projection input (SwiGLU's
+    product, GELU's output: s b d_ff / t), in an MoE block the dispatched tokens and the experts'
+    down-projection inputs where the recipe converts the experts (its norm output still feeds the
+    bf16 router, so it stays). The attention output is the output projection's input: with flash
+    attention and nothing recomputed the kernel keeps it in bf16 for its own backward and TE keeps
+    an FP8 copy besides (+1 byte); otherwise only the projection keeps it, in FP8. Simplified: MLA's
+    latents, the inputs of its up-projections, stay in the compute dtype; the shared experts' FP8
+    copy of the MLP input is not billed. 0 for torchao recipes (bf16 inputs saved, as their bf16
+    runs), for full recomputation (only the block input is kept) and under the per-op policy."""
+    fp8 = train.fp8
+    recompute = train.recompute if recompute is None else recompute
+    if fp8 is None or fp8.saved_input_bytes is None or recompute == "full":
+        return 0.0
+    if recompute == "selective" and selective_policy == "op" and not (moe and model.is_moe):
+        return 0.0
+    e = DTYPE_BYTES[train.compute_dtype]
+    less = e - fp8.saved_input_bytes
+    t = plan.tp
+    sp = t if (plan.sequence_parallel and t > 1) else 1
+    sb = train.micro_batch_size * train.seq_len / plan.cp
+    h = model.d_model
+    delta = -less * sb * h / sp  # attention input (the norm output)
+    if train.attention == "flash" and recompute == "none":
+        delta += fp8.saved_input_bytes * sb * model.v_dim / t  # TE's FP8 copy beside the kernel's output
+    else:
+        delta -= less * sb * model.v_dim / t
+    if moe and model.is_moe:
+        if fp8.converts_experts:
+            routed = sb * model.top_k * max(1.0, train.moe_capacity_factor)
+            delta -= less * routed * h / sp + less * routed * model.moe_d_ff / t
+    else:
+        delta -= less * sb * h / sp + less * sb * model.d_ff / t  # MLP input, down-projection input
+    return delta
 
 
 def _vocab_split(plan: ParallelPlan, vocab_parallel: bool) -> int:
@@ -463,8 +512,9 @@ def estimate_memory(config: RunConfig, *, selective_policy: str | None = None) -
                                               (plan.pp == 1 and m > 1 and no_sync_accumulation))
 
     def layer(moe: bool, recompute: str | None = None) -> float:
-        return activation_bytes_per_layer(model, train, plan, moe=moe, recompute=recompute, conventions=conventions,
-                                          selective_policy=policy)
+        return (activation_bytes_per_layer(model, train, plan, moe=moe, recompute=recompute, conventions=conventions,
+                                           selective_policy=policy)
+                + fp8_saved_input_bytes(model, train, plan, moe, recompute, policy))
 
     def backward_working(moe: bool) -> float:
         """Transient bytes of one block's backward (the peak of a stage that is not the loss's)."""
@@ -493,6 +543,18 @@ def estimate_memory(config: RunConfig, *, selective_policy: str | None = None) -
 
     dense_layer_act = layer(False)
     moe_layer_act = layer(True) if model.is_moe else 0.0
+    # An FP8 recipe's Linears (workbench.spec.float8): the TP/EP-local parameters they convert per
+    # dense and per MoE block, the bytes FSDP gathers of each (FP8 all-gather: the converted
+    # weights at 1 byte), and what it keeps all step per block: TE's cached FP8 weight and its
+    # transpose, and the fp32 amax history and scales of each FP8 tensor of each GEMM.
+    fp8 = train.fp8
+    conv_dense = converted_params(model, 0, t, plan.ep, fp8) if fp8 and model.n_dense_layers else 0.0
+    conv_moe = converted_params(model, model.n_layers - 1, t, plan.ep, fp8) if fp8 and model.is_moe else 0.0
+    gathered_fp8 = fp8 is not None and fp8.fsdp_fp8_all_gather and sharded_params
+    fp8_state = 0.0
+    if fp8 is not None:
+        gemms_per_block = len(model.attention_gemms(t)) + 2  # attention's GEMMs, MLP up (+ gate) and down
+        fp8_state = gemms_per_block * fp8.amax_state_bytes_per_gemm()
     stride = config.world_size // plan.pp
     context = config.cluster.gpu.context_bytes
     out = []
@@ -531,9 +593,20 @@ def estimate_memory(config: RunConfig, *, selective_policy: str | None = None) -
         held_to_step = 0.0  # live through forward and backward, freed before the optimizer step
         loss = 0.0  # the loss's backward, on the rank holding the last stage
         first_and_last = 0 in stages and n_stages - 1 in stages
+        fp8_kept = 0.0  # the FP8 recipe's per-step state (TE's weight cache, amax histories)
+        unit_fp8 = 0.0  # of the largest block, the parameters FSDP gathers in FP8
         for stage, held in zip(stages, in_flight):
             first, last = stage == 0, stage == n_stages - 1
             sp_, states, per_mb, n_moe, stage_working = stage_shape(stage)
+            if fp8 is not None:
+                n_dense_here = counts[stage] - n_moe
+                # the weight cache holds whole (TP/EP-local) weights across micro-batches: with the
+                # weights ZeRO-3 sharded, each unit's FP8 copy is made per gather and freed with it
+                # (a simplification: not billed then)
+                cache = 0.0 if sharded_params else fp8.weight_cache_bytes
+                fp8_kept += cache * (n_dense_here * conv_dense + n_moe * conv_moe) + counts[stage] * fp8_state
+                if gathered_fp8:
+                    unit_fp8 = max(unit_fp8, conv_dense if n_dense_here else 0.0, conv_moe if n_moe else 0.0)
             block_unit = max(block_unit, sp_.block_unit)
             root_unit += sp_.root_unit
             head += sp_.head
@@ -565,7 +638,9 @@ def estimate_memory(config: RunConfig, *, selective_policy: str | None = None) -
             # forward and backward prefetch of 1); the root unit (embeddings, output projection),
             # gathered for the output projection's backward and held until its embeddings' gradient,
             # the last of the backward, is reduce-scattered
-            fsdp += conventions.fsdp_units_in_flight * e * block_unit + e * root_unit
+            # (an FP8 all-gather delivers the converted Linear weights in FP8: 1 byte, not e)
+            unit = e * block_unit - (e - 1) * unit_fp8
+            fsdp += conventions.fsdp_units_in_flight * unit + e * root_unit
         if sharded_grads:
             fsdp += e * block_unit  # the unit's gradients from autograd, in its unsharded params' dtype
             if not accumulate_unsharded:
@@ -585,7 +660,7 @@ def estimate_memory(config: RunConfig, *, selective_policy: str | None = None) -
         step = (comps["optimizer"] / train.optimizer_states
                 if foreach_optimizer and train.optimizer in ("adam", "adamw") else 0.0)
         comps["activations"] = act
-        comps["buffers"] = recv + max(held_to_step + max(loss_moment, working + fsdp), step - act)
+        comps["buffers"] = recv + fp8_kept + max(held_to_step + max(loss_moment, working + fsdp), step - act)
         allocated = sum(comps.values())
         comps["overhead"] = context + train.fragmentation * allocated
         out.append(

@@ -25,6 +25,13 @@ whose makespan includes the bubble. Then the optimizer step (memory bound) ends 
 MFU follows PaLM (Chowdhery et al. 2022, appendix B): model FLOPs per token ``6 N + 12 L h s``
 (:meth:`ModelSpec.flops_per_token`, full attention matrix counted) x tokens per step, divided by
 step time x GPUs x dense bf16 peak. Recomputation is not model FLOPs.
+
+An FP8 recipe (``train.fp8_recipe``, :mod:`workbench.spec.float8`) runs the Linears it converts
+(forward and both backward GEMMs) at the FP8 peak x ``efficiency.matmul`` x the recipe's kernel
+factor, and adds its casts to the element-wise traffic (:func:`_fp8_cast_bytes`): input and weight
+in forward, output gradient (and the weight again) in backward. The attention core, the output head
+and the router stay at the bf16 rate. MFU stays against the bf16 peak; ``mfu_fp8_peak`` is the same
+step against the FP8 peak.
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ class StepPrediction:
     breakdown: dict[str, float] = field(default_factory=dict)
     stage_times_s: tuple[tuple[float, float], ...] = ()  # (forward, backward) per stage per micro-batch
     critical_pp_rank: int = 0
+    # MFU against the dense FP8 peak, beside ``mfu`` (against bf16's) when an FP8 recipe runs the
+    # Linears on FP8 tensor cores (None: no FP8 recipe; mfu(config, t, peak="fp8") gives it for any job)
+    mfu_fp8_peak: float | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -66,6 +76,7 @@ class StepPrediction:
             "tokens_per_s": self.tokens_per_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "mfu": self.mfu,
+            "mfu_fp8_peak": self.mfu_fp8_peak,
             "model_flops_per_s_per_gpu": self.model_flops_per_s_per_gpu,
             "bubble_fraction": self.bubble_fraction,
             "breakdown": dict(self.breakdown),
@@ -88,6 +99,19 @@ def _matmul_rate(config: RunConfig, eff: Efficiency) -> float:
     return measured if measured else config.cluster.gpu.peak_flops(dtype) * eff.matmul
 
 
+def _fp8_matmul_rate(config: RunConfig, eff: Efficiency) -> float | None:
+    """Achieved FLOP/s of a large FP8 GEMM of the job's FP8 recipe (None: no FP8 GEMMs): measured fp8
+    if calibrated, else the FP8 peak x efficiency.matmul (an FP8 GEMM reaches the same share of its
+    peak as a bf16 one: torchao's roofline takes 0.78 for both), times the recipe's kernel factor
+    (rowwise scaling's CUTLASS kernel against the tensorwise cuBLAS one)."""
+    fp8 = config.train.fp8
+    if fp8 is None:
+        return None
+    measured = config.cluster.achieved_flops("fp8")
+    base = measured if measured else config.cluster.gpu.peak_flops("fp8") * eff.matmul
+    return base * fp8.gemm_efficiency
+
+
 def _gemm_efficiency(dim: float, eff: Efficiency, calibrated: bool = False) -> float:
     """Share of the large-GEMM rate a GEMM reaches when its smallest dimension is ``dim``: tiles
     and waves are under-filled and operands are re-read more often as a dimension shrinks
@@ -97,25 +121,70 @@ def _gemm_efficiency(dim: float, eff: Efficiency, calibrated: bool = False) -> f
     return 1.0 if calibrated else dim / (dim + eff.gemm_half_dim)
 
 
-def _layer_gemm_time(config: RunConfig, tokens: float, moe: bool, rate: float, eff: Efficiency) -> float:
-    """Forward seconds of the GEMMs of one block on one TP rank: each GEMM's FLOPs at the rate its
-    shape allows (M = tokens, K and N split by TP)."""
+def _layer_gemms(config: RunConfig, tokens: float, moe: bool) -> list[tuple[float, float, float, bool]]:
+    """(M, K, N, fp8) of each GEMM of one block's forward on one TP rank (M = tokens, K and N split by
+    TP); ``fp8``: the job's FP8 recipe converts it (the attention and MLP Linears, shared experts,
+    routed experts where the recipe converts them; never the router)."""
     model, t = config.model, config.plan.tp
     h = model.d_model
-    gemms: list[tuple[float, float, float]] = [(tokens, k, n) for _, _, k, n in model.attention_gemms(t)]  # (M, K, N)
+    fp8 = config.train.fp8
+    linear = fp8 is not None
+    experts = linear and fp8.converts_experts  # type: ignore[union-attr]
+    gemms: list[tuple[float, float, float, bool]] = [
+        (tokens, k, n, linear) for _, _, k, n in model.attention_gemms(t)]  # (M, K, N)
     n_mats = 2 if model.activation == "swiglu" else 1  # gate and up, or fc
     if moe and model.is_moe:
         per_expert = tokens * model.top_k / model.n_experts  # tokens an expert sees (balanced router)
-        gemms.append((tokens, h, model.n_experts))  # router
+        gemms.append((tokens, h, model.n_experts, False))  # router
         for _ in range(model.n_experts):
-            gemms += [(per_expert, h, n_mats * model.moe_d_ff / t), (per_expert, model.moe_d_ff / t, h)]
+            gemms += [(per_expert, h, n_mats * model.moe_d_ff / t, experts),
+                      (per_expert, model.moe_d_ff / t, h, experts)]
         if model.n_shared_experts:
             f = model.n_shared_experts * (model.shared_d_ff or model.moe_d_ff)
-            gemms += [(tokens, h, n_mats * f / t), (tokens, f / t, h)]
+            gemms += [(tokens, h, n_mats * f / t, linear), (tokens, f / t, h, linear)]
     else:
-        gemms += [(tokens, h, n_mats * model.d_ff / t), (tokens, model.d_ff / t, h)]
+        gemms += [(tokens, h, n_mats * model.d_ff / t, linear), (tokens, model.d_ff / t, h, linear)]
+    return gemms
+
+
+def _layer_gemm_time(config: RunConfig, tokens: float, moe: bool, rate: float, eff: Efficiency,
+                     fp8_rate: float | None = None) -> float:
+    """Forward seconds of the GEMMs of one block on one TP rank: each GEMM's FLOPs at the rate its
+    shape allows, ``fp8_rate`` for those the FP8 recipe converts (:func:`_layer_gemms`)."""
     calibrated = bool(config.cluster.achieved_flops(config.train.compute_dtype))
-    return sum(2 * mm * k * n / (rate * _gemm_efficiency(min(mm, k, n), eff, calibrated)) for mm, k, n in gemms)
+    return sum(2 * mm * k * n / ((fp8_rate if (fp8 and fp8_rate) else rate)
+                                 * _gemm_efficiency(min(mm, k, n), eff, calibrated))
+               for mm, k, n, fp8 in _layer_gemms(config, tokens, moe))
+
+
+def _fp8_cast_bytes(config: RunConfig, tokens: float, moe: bool) -> tuple[float, float]:
+    """(forward, backward) bytes through HBM of one block's FP8 casts on one rank, per micro-batch:
+    each converted GEMM's input (M x K), weight (K x N) and output gradient (M x N) at the recipe's
+    bytes per element (:mod:`workbench.spec.float8`). A weight cached across micro-batches (TE) is
+    cast once a step, 1 / m of it per micro-batch (unless ZeRO-3 gathers it anew each micro-batch).
+    A weight FSDP all-gathers in FP8 is cast on its shard before each gather (forward, and backward
+    under ZeRO-3), and the gathered FP8 weight is transposed for the input-gradient GEMM (read and
+    write 1 byte each)."""
+    fp8 = config.train.fp8
+    if fp8 is None:
+        return 0.0, 0.0
+    plan = config.plan
+    fwd = bwd = 0.0
+    sharded = plan.zero_stage == 3 and plan.shard_degree > 1  # weights gathered per micro-batch
+    gathered = fp8.fsdp_fp8_all_gather and sharded
+    for mm, k, n, converted in _layer_gemms(config, tokens, moe):
+        if not converted:
+            continue
+        fwd += fp8.cast_input_bytes[0] * mm * k
+        bwd += fp8.cast_input_bytes[1] * mm * k + fp8.cast_grad_output_bytes * mm * n
+        w_fwd, w_bwd = fp8.cast_weight_bytes
+        if gathered:
+            w_fwd, w_bwd = w_fwd / plan.shard_degree, w_fwd / plan.shard_degree + 2
+        elif fp8.weight_cast_per_step and not sharded:
+            w_fwd, w_bwd = (w_fwd + w_bwd) / config.n_microbatches, 0.0
+        fwd += w_fwd * k * n
+        bwd += w_bwd * k * n
+    return fwd, bwd
 
 
 def _stage_cost(config: RunConfig, first_layer: int, n_layers: int, first: bool, last: bool, eff: Efficiency) -> _StageCost:
@@ -125,6 +194,7 @@ def _stage_cost(config: RunConfig, first_layer: int, n_layers: int, first: bool,
     e = DTYPE_BYTES[train.compute_dtype]
     tokens = train.micro_batch_size * train.seq_len / plan.cp
     rate = _matmul_rate(config, eff)
+    fp8_rate = _fp8_matmul_rate(config, eff)  # the FP8 recipe's Linears (None: all at ``rate``)
     attn_rate = rate / eff.matmul * eff.attention
     hbm = config.cluster.gpu.hbm_bandwidth_bytes_per_s * eff.memory or 1e12
 
@@ -133,10 +203,15 @@ def _stage_cost(config: RunConfig, first_layer: int, n_layers: int, first: bool,
         n_moe = max(0, first_layer + n_layers - max(first_layer, model.first_k_dense_layers))
     n_dense = n_layers - n_moe
     mm_time = 0.0
+    cast_fwd = cast_bwd = 0.0  # the FP8 recipe's casts, bytes through HBM
     if n_dense:
-        mm_time += n_dense * _layer_gemm_time(config, tokens, False, rate, eff)
+        mm_time += n_dense * _layer_gemm_time(config, tokens, False, rate, eff, fp8_rate)
+        f, b = _fp8_cast_bytes(config, tokens, False)
+        cast_fwd, cast_bwd = cast_fwd + n_dense * f, cast_bwd + n_dense * b
     if n_moe:
-        mm_time += n_moe * _layer_gemm_time(config, tokens, True, rate, eff)
+        mm_time += n_moe * _layer_gemm_time(config, tokens, True, rate, eff, fp8_rate)
+        f, b = _fp8_cast_bytes(config, tokens, True)
+        cast_fwd, cast_bwd = cast_fwd + n_moe * f, cast_bwd + n_moe * b
     if model.is_mla and plan.cp > 1:
         # Latent attention's ring carries latents: each of the cp - 1 visiting chunks is
         # re-expanded to K and V by the rank's slice of kv_b (ModelSpec.ring_kv_values_per_token).
@@ -173,8 +248,9 @@ def _stage_cost(config: RunConfig, first_layer: int, n_layers: int, first: bool,
         elem_fwd += tokens * e * 2 * model.d_model / sp  # embedding gather
     attn_time, elem_time = attn_fwd / attn_rate, elem_fwd / hbm
     launch = eff.launch_overhead_s_per_layer * n_layers
-    forward = mm_time + attn_time + elem_time + launch + eff.overhead_s_per_microbatch
-    backward = 2 * mm_time + eff.backward_attention_ratio * attn_time + 2 * elem_time + 2 * launch
+    forward = mm_time + attn_time + elem_time + launch + eff.overhead_s_per_microbatch + cast_fwd / hbm
+    backward = (2 * mm_time + eff.backward_attention_ratio * attn_time + 2 * elem_time + 2 * launch
+                + cast_bwd / hbm)
     if train.recompute == "full":
         recompute = forward
     elif train.recompute == "selective":
@@ -353,6 +429,7 @@ def predict_step(
         tokens_per_s=tokens / step,
         tokens_per_s_per_gpu=tokens / step / world,
         mfu=mfu(config, step),
+        mfu_fp8_peak=mfu(config, step, peak="fp8") if train.fp8 is not None else None,
         model_flops_per_s_per_gpu=model_flops / step / world,
         bubble_fraction=bubble / step,
         breakdown=breakdown,
@@ -367,13 +444,16 @@ def describe_step(step_time_s: float, profile: FrameworkProfile) -> str:
     return f"step {step_time_s:.3f} s ({profile.describe_band()})"
 
 
-def mfu(config: RunConfig, step_time_s: float) -> float:
+def mfu(config: RunConfig, step_time_s: float, peak: str | None = None) -> float:
     """Model FLOPs utilisation of a step that took ``step_time_s``: PaLM's model FLOPs per token
     (``6 N + 12 L h s``, :meth:`ModelSpec.flops_per_token`) x tokens per step / (step time x GPUs x
-    dense peak). The peak is bf16's for every mixed-precision run (fp8 runs too, as is customary)
-    and fp32's for fp32 runs. The planner predicts with it and the trainer measures with it, so the
-    two MFUs are the same quantity."""
+    dense peak). The peak (None) is bf16's for every mixed-precision run, FP8 recipes too (the
+    convention of torchtitan and Megatron: an FP8 run's MFU reads against the same peak as its bf16
+    run, so the two compare), and fp32's for fp32 runs; ``peak="fp8"`` divides by the dense FP8
+    peak instead, half the bf16 figure on an H100 (ConfigError on a GPU without FP8). The planner
+    predicts with it and the trainer measures with it, so the two MFUs are the same quantity."""
     train = config.train
     flops = config.model.flops_per_token(train.seq_len) * config.tokens_per_step
-    peak = config.cluster.gpu.peak_flops("fp32" if train.compute_dtype == "fp32" else "bf16")
-    return flops / (step_time_s * config.world_size * peak)
+    if peak is None:
+        peak = "fp32" if train.compute_dtype == "fp32" else "bf16"
+    return flops / (step_time_s * config.world_size * config.cluster.gpu.peak_flops(peak))

@@ -146,6 +146,11 @@ class MemoryConventions:
     foreach_optimizer: the optimizer step runs torch's foreach Adam, whose ``sqrt(v)`` is a
       temporary as large as the optimizer's parameters (bundled, torchtitan); Megatron's fused Adam
       (Apex / Transformer Engine) has none.
+    attention_dropout: with ``dropout``, the attention probabilities are dropped out too, so eager
+      attention keeps that dropout's 1-byte mask and its output beside the softmax (Korthikanti's
+      accounting, Megatron's attention_dropout). The bundled trainer's dropout is hidden dropout only
+      (after the embeddings, the attention and the MLP: 1-byte masks, as billed): it keeps no
+      attention-dropout mask.
     """
 
     sp_inputs_gathered: bool = True
@@ -161,6 +166,7 @@ class MemoryConventions:
     pipeline_fsdp_no_sync: bool = True
     pipeline_recv_per_microbatch: bool = True
     foreach_optimizer: bool = True
+    attention_dropout: bool = True
 
     def __post_init__(self) -> None:
         check_types(self, "memory.")
@@ -302,6 +308,7 @@ FRAMEWORKS: dict[str, FrameworkProfile] = {
     "bundled": FrameworkProfile(
         name="bundled",
         description="the bundled trainer: torch DTensor TP/SP, FSDP2, torch.distributed.pipelining, ring attention",
+        memory=MemoryConventions(attention_dropout=False),
     ),
     "megatron": FrameworkProfile(
         name="megatron",

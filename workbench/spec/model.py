@@ -567,6 +567,15 @@ PRESETS: dict[str, ModelSpec] = {
         n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256, max_seq_len=256,
         rope_theta=10000.0,
     ),
+    # Qwen3-style: QK-norm, head_dim x n_heads (128) wider than d_model (64)
+    "tiny-qk-norm": ModelSpec(
+        n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=176, vocab_size=256, max_seq_len=256,
+        qk_norm=True, rope_theta=10000.0,
+    ),
+    "tiny-tied": ModelSpec(
+        n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256, max_seq_len=256,
+        tie_embeddings=True, rope_theta=10000.0,
+    ),
     "tiny-moe": ModelSpec(
         n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256, max_seq_len=256,
         n_experts=4, top_k=2, n_shared_experts=1, moe_d_ff=64, first_k_dense_layers=1,

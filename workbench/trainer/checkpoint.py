@@ -63,7 +63,8 @@ State that cannot be resharded, and what is done instead (also in the ``resume``
   be another stream: refused with a ConfigError.
 * RNG states: per rank, so they are restored only when the world size and the layout are the same;
   otherwise each rank is re-seeded from (seed, step, rank). The bundled trainer draws no random
-  numbers after initialisation (no dropout), so this does not change the losses.
+  numbers after initialisation (its dropout masks are hashed from the seed, the step and each
+  element's indices, not drawn), so this does not change the losses.
 * schedule: the LR follows the *current* config from the restored step; a changed schedule is noted.
 
 Recovery drill: under ``torchrun --max-restarts N`` a lost rank makes torchrun restart every rank;
@@ -523,7 +524,7 @@ class Checkpointer:
         line only when training goes on: a final save's failure is the run's error line)."""
         shutil.rmtree(tmp, ignore_errors=True)
         self.failed[step] = reason
-        final = (self._finishing and step == self.trainer.step) or step >= self.trainer.config.train.steps
+        final = (self._finishing and step == self.trainer.step) or step >= self.trainer.config.train.steps_to_run
         if not final:
             say(f"[workbench] rank {self.rank}: checkpoint step-{step} not saved: {reason}; "
                 f"removed {tmp.name}, training continues")

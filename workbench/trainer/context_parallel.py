@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from workbench.spec.errors import require
@@ -312,13 +313,20 @@ def ring_attention(
 ) -> torch.Tensor:
     """Causal attention of the CP-sharded sequence, equal to full causal attention on the whole.
 
-    ``q`` (B, H, S/cp, D) and ``k``, ``v`` (B, H_kv, S/cp, D) hold this rank's tokens in the layout
-    of :func:`shard_sequence`; ``H_kv`` divides ``H`` (GQA). Returns (B, H, S/cp, D).
-    ``scale`` defaults to ``1 / sqrt(D)``. ``group`` is the CP group (None: the default group;
-    without an initialised process group this is plain causal attention). Differentiable.
+    ``q``, ``k`` (B, H, S/cp, D), (B, H_kv, S/cp, D) and ``v`` (B, H_kv, S/cp, D_v) hold this rank's
+    tokens in the layout of :func:`shard_sequence`; ``H_kv`` divides ``H`` (GQA). Returns
+    (B, H, S/cp, D_v). ``scale`` defaults to ``1 / sqrt(D)``. ``group`` is the CP group (None: the
+    default group; without an initialised process group this is plain causal attention).
+    Differentiable.
+
+    Values as wide as keys travel stacked with them. Latent attention's are not (D_v = v_head_dim,
+    D = qk_nope + qk_rope): the narrower side is zero-padded to the wider, which changes nothing
+    (zero query/key columns add nothing to q.k; zero value columns give output columns that are
+    cut off) at the price of moving and multiplying the padding.
     """
-    require(q.dim() == 4 and k.dim() == 4 and v.shape == k.shape, "ring_attention expects q (B, H, L, D) and "
-            f"k, v (B, H_kv, L, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}", field="q")
+    require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and v.shape[:-1] == k.shape[:-1] and q.shape[-1] == k.shape[-1],
+            "ring_attention expects q (B, H, L, D), k (B, H_kv, L, D) and v (B, H_kv, L, D_v); got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}", field="q")
     require(q.shape[1] % k.shape[1] == 0, f"n_kv_heads={k.shape[1]} does not divide n_heads={q.shape[1]}",
             field="n_kv_heads", value=k.shape[1])
     require(q.shape[2] == k.shape[2], f"q has {q.shape[2]} tokens but k has {k.shape[2]}", field="seq_len",
@@ -329,6 +337,10 @@ def ring_attention(
             field="seq_len", value=q.shape[2])
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    width, v_width = max(k.shape[-1], v.shape[-1]), v.shape[-1]
+    if width != v_width or width != k.shape[-1]:
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        return _RingAttention.apply(q, k, v, group, scale)[..., :v_width]
     return _RingAttention.apply(q, k, v, group, scale)
 
 

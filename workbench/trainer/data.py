@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-VOCAB_SIZE = 256
+from workbench.spec.data import BYTE_VOCAB as VOCAB_SIZE
+from workbench.spec.data import SYNTHETIC_TOKENS, pydoc_corpus
 
 
 def encode(text: str) -> torch.Tensor:
@@ -37,13 +38,6 @@ def encode(text: str) -> torch.Tensor:
 def decode(tokens: torch.Tensor | list[int]) -> str:
     ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
     return bytes(int(t) % 256 for t in ids).decode("utf-8", errors="replace")
-
-
-def pydoc_corpus() -> str:
-    """Text every Python installation carries: the pydoc topic help, in sorted order."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
 
 
 def synthetic_stream(n_tokens: int = 1 << 20, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> torch.Tensor:
@@ -71,7 +65,7 @@ def load_tokens(dataset: str, data_path: str | None = None, vocab_size: int = VO
 
         return torch.from_numpy(np.memmap(data_path, dtype=np.uint16, mode="r").astype(np.int64, copy=False))
     if dataset == "synthetic":
-        return synthetic_stream(1 << 18, min(vocab_size, VOCAB_SIZE), seed)
+        return synthetic_stream(SYNTHETIC_TOKENS, min(vocab_size, VOCAB_SIZE), seed)
     raise ValueError(f"dataset={dataset!r} is not one of pydoc, text, bin, synthetic")
 
 

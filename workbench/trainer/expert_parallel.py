@@ -32,6 +32,28 @@ dense weights. :func:`reduce_expert_grads` does exactly that. Therefore the data
 wrappers must leave expert weights alone (FSDP2: ``fully_shard(..., ignored_params=...)`` with
 :func:`expert_params`); an FSDP of the experts over the expert-data-parallel group with
 ``set_gradient_divide_factor(dp_replicate x dp_shard x cp)`` is the memory-saving alternative.
+
+Tensor parallelism inside MoE layers: Megatron-Core's default *expert tensor parallelism*
+(expert TP = TP), what the planner bills (``workbench.predict.memory``: the experts split by
+``ep x tp``). Every expert's w1 and w3 are column-split and its w2 row-split over the TP ranks
+(each keeps ``moe_d_ff / tp`` hidden units of every local expert; :func:`apply_expert_tp`), so
+the expert weights are ``DTensor`` over a 2-D ``(ep, tp)`` mesh (``Shard(0)``, then the hidden
+dimension) or the 1-D TP mesh without EP. The router stays whole on every TP rank; the shared
+experts are split like the dense MLP. A MoE layer under TP (:class:`TensorParallelTokens`):
+
+1. each TP rank holds its sequence shard (with sequence parallelism: the residual stream's;
+   without: its 1/tp of the replicated sequence) and routes those tokens;
+2. tokens, routing weights and expert ids are all-gathered over TP: every TP rank of an EP
+   group now holds the same token copies and dispatches the same rows over EP (steps 2-5 above);
+3. the local experts compute with their hidden slice: partial outputs;
+4. after the combine (weights applied, the k choices summed per token) the partial outputs are
+   reduce-scattered over TP back to each rank's sequence shard (without sequence parallelism
+   then all-gathered into the replicated residual stream: an all-reduce in two halves).
+
+Backward is the transpose: step 2's all-gathers become reduce-scatters, which sum the partial
+input and routing-weight gradients of the TP ranks; step 4's reduce-scatter an all-gather. The
+router's weight gradient is partial over TP (each rank routed its own tokens) and reduced like a
+sequence-parallel norm's (a ``Replicate`` DTensor parameter with a ``Partial`` gradient).
 """
 
 from __future__ import annotations
@@ -41,12 +63,15 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from workbench.spec.errors import require
 from workbench.spec.plan import ParallelPlan
 
 __all__ = [
     "apply_ep",
+    "apply_expert_tp",
+    "TensorParallelTokens",
     "expert_params",
     "expert_data_parallel_ranks",
     "reduce_expert_grads",
@@ -154,8 +179,6 @@ def apply_ep(model: nn.Module, ep_mesh_or_group: object) -> nn.Module:
     or on a materialised model: the parameters become ``DTensor`` ``Shard(0)`` on the "ep" mesh
     (a materialised value is sliced locally, without communication). Returns ``model``.
     """
-    from torch.distributed.tensor import Shard, distribute_tensor
-
     mesh = _ep_mesh(ep_mesh_or_group)
     group, ep, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
     for experts in _grouped_experts(model):
@@ -172,6 +195,60 @@ def apply_ep(model: nn.Module, ep_mesh_or_group: object) -> nn.Module:
         experts.ep_group, experts.ep_size, experts.ep_rank, experts.n_experts = group, ep, rank, n_experts
         experts.tokens_received = torch.zeros(n_experts // ep, dtype=torch.int64)
     return model
+
+
+# The hidden dimension of each expert weight (GroupedExperts: w1, w3 (E, hidden, d); w2 (E, d,
+# hidden); b1, b3 (E, hidden)): column-parallel w1/w3, row-parallel w2. b2 (E, d), the row-parallel
+# output bias, would be added once per TP group: the bundled trainer refuses TP with expert biases.
+EXPERT_TP_DIMS = {"w1": 1, "w3": 1, "w2": 2, "b1": 1, "b3": 1}
+
+
+def apply_expert_tp(model: nn.Module, mesh: object) -> nn.Module:
+    """Split every routed expert's hidden units over TP (Megatron's expert tensor parallelism).
+
+    ``mesh``: the 1-D TP mesh, or under expert parallelism the 2-D ``("ep", "tp")`` mesh of this
+    rank's EP group x its TP group (after :func:`apply_ep`, whose ``Shard(0)`` is kept). Call it
+    before FSDP/DDP on the meta model (a materialised expert is gathered and re-sliced). The MoE
+    layer itself needs :class:`TensorParallelTokens` as its ``tokens`` (``apply_tp`` sets both)."""
+    two_d = getattr(mesh, "ndim", 1) == 2
+    for experts in _grouped_experts(model):
+        for name, p in list(experts.named_parameters(recurse=False)):
+            require(name in EXPERT_TP_DIMS, f"expert parameter {name} has no tensor-parallel split (expert biases "
+                    "of the output projection)", field="tp", value=name)
+            if isinstance(p, DTensor):
+                require(two_d, f"expert parameter {name} is already sharded (EP): give the (ep, tp) mesh",
+                        field="tp", value=name)
+                full = torch.empty(p.shape, dtype=p.dtype, device="meta") if p.is_meta else p.full_tensor()
+            else:
+                full = p.data
+            placements = ([Shard(0)] if two_d else []) + [Shard(EXPERT_TP_DIMS[name])]
+            shard = distribute_tensor(full, mesh, placements, src_data_rank=None)
+            setattr(experts, name, nn.Parameter(shard, requires_grad=p.requires_grad))
+    return model
+
+
+class TensorParallelTokens:
+    """An MoE layer's token exchanges over the TP group (steps 1-4 of the module docstring), on
+    DTensor redistributions so that backward is their transpose. Tokens are (B, S, ...) tensors,
+    each TP rank holding the S / tp positions of its sequence shard (sequence-parallel layout)."""
+
+    def __init__(self, tp_mesh):
+        self.mesh = tp_mesh
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S/tp, ...) -> (B, S, ...); backward: reduce-scatter (the ranks' partial gradients summed)."""
+        full = DTensor.from_local(x, self.mesh, [Shard(1)], run_check=False).redistribute(self.mesh, [Replicate()])
+        return full.to_local(grad_placements=[Partial()]) if x.requires_grad else full.to_local()
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Partial (B, S, d) -> this rank's (B, S/tp, d), summed over TP; backward: all-gather."""
+        return DTensor.from_local(x, self.mesh, [Partial()], run_check=False).redistribute(self.mesh, [Shard(1)]).to_local()
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """A statistic summed over TP (the auxiliary loss's shares), without gradient."""
+        out = x.detach().clone()
+        dist.all_reduce(out, group=self.mesh.get_group())
+        return out
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:

@@ -7,7 +7,9 @@ degrees of 1 are dropped). Derived groups, as in torchtitan:
   weights, so they shard and reduce weights together);
 * ``dp`` = dp_replicate x dp_shard, ``dp_cp`` = dp x cp: loss averaging and data loading
   (``dp`` decides which batch slice a rank reads; CP ranks of one DP rank read the same rows);
-* ``ep``: the expert-parallel group, borrowed from dp_shard x cp (``plan.group_ranks("ep")``).
+* ``ep``: the expert-parallel group, borrowed from dp_shard x cp (``plan.group_ranks("ep")``);
+  with tp > 1 also the 2-D ``(ep, tp)`` mesh of this rank's EP group by its TP group, over which
+  routed experts are split (``Meshes.expert_mesh``: experts by EP, their hidden units by TP).
 
 :func:`check_mesh` asserts that every group this rank belongs to equals the group the planner
 computes with ``ParallelPlan.group_ranks``: the mesh drawn is the mesh that runs.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -36,6 +39,8 @@ class Meshes:
     ep_mesh: DeviceMesh | None = None
     # ranks that hold the same experts and different tokens: expert gradients are reduced here
     expert_dp_group: dist.ProcessGroup | None = None
+    # (ep, tp): this rank's EP group x TP group, when both degrees are > 1
+    ep_tp_mesh: DeviceMesh | None = None
 
     def get(self, name: str) -> DeviceMesh | None:
         """The 1-D mesh of ``name`` (None when its degree is 1)."""
@@ -53,6 +58,13 @@ class Meshes:
             return self.ep_group
         m = self.get(name)
         return m.get_group() if m is not None else None
+
+    def expert_mesh(self) -> DeviceMesh | None:
+        """What routed experts are split over under TP: the (ep, tp) mesh, or the TP mesh without
+        EP (None without TP: EP alone shards them over ``ep_mesh``)."""
+        if self.plan.tp == 1:
+            return None
+        return self.ep_tp_mesh if self.plan.ep > 1 else self.get("tp")
 
     def fsdp_mesh(self) -> DeviceMesh | None:
         """The data-parallel mesh for FSDP: 1-D over dp_shard_cp, or 2-D (dp_replicate,
@@ -98,7 +110,18 @@ def build_meshes(plan: ParallelPlan, device_type: str = "cpu") -> Meshes:
         groups = expert_data_parallel_ranks(plan)
         if len(groups[0]) > 1:
             out.expert_dp_group, _ = dist.new_subgroups_by_enumeration(groups)
+        if plan.tp > 1:
+            out.ep_tp_mesh = _ep_tp_mesh(plan, out, device_type)
     return out
+
+
+def _ep_tp_mesh(plan: ParallelPlan, meshes: Meshes, device_type: str) -> DeviceMesh:
+    """The 2-D (ep, tp) mesh of this rank, from the groups already made (no new process group):
+    row i is the TP group of the i-th member of this rank's EP group."""
+    ep_ranks = sorted(dist.get_process_group_ranks(meshes.ep_group))
+    rows = [[plan.coords_rank({**plan.rank_coords(r), "tp": t}) for t in range(plan.tp)] for r in ep_ranks]
+    return DeviceMesh.from_group([meshes.ep_group, meshes.get("tp").get_group()], device_type,
+                                 mesh=torch.tensor(rows, dtype=torch.int), mesh_dim_names=("ep", "tp"))
 
 
 def check_mesh(meshes: Meshes, rank: int) -> dict[str, list[int]]:

@@ -9,6 +9,14 @@ Each stage module is a copy of the meta model with the other layers deleted (``l
 ModuleDict keyed by the global layer index, so parameter names, and hence initial values, are the
 same as in the unsplit model).
 
+Tied embeddings (``tie_embeddings``) across stages, as Megatron's embedding group does it: the
+first stage holds the embedding table, the last the output projection, two parameters initialised
+equal (``init_value`` gives ``output.weight`` the table's values). After backward,
+:func:`sum_tied_grads` sums their gradients between the two ranks that hold them (the pipeline's
+first and last rank with the same other coordinates; one rank with both under a V schedule), so
+both take the tied parameter's gradient and the optimizer keeps them equal; the gradient norm
+counts it once (:func:`tied_copies`).
+
 Loss: the schedule calls ``loss_fn`` per micro-batch and backpropagates it. We return the
 micro-batch mean cross-entropy divided by the number of micro-batches and turn the schedule's own
 scaling off, so the sum of the micro-batch losses is the mean loss of the local batch, exactly the
@@ -22,7 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
 
@@ -116,3 +126,65 @@ def holds_last(plan: ParallelPlan, pp_rank: int) -> bool:
 
 def stage_modules_params(modules: list[nn.Module]) -> list[nn.Parameter]:
     return [p for m in modules for p in m.parameters()]
+
+
+# --------------------------------------------------------------------------- tied embeddings
+
+
+def tied_rank_pairs(plan: ParallelPlan) -> list[list[int]]:
+    """Global ranks that hold the tied embedding (first stage) and the output projection (last
+    stage), one pair per combination of the other coordinates; empty when one pipeline rank holds
+    both stages (a V schedule) or pp = 1."""
+    first = next(r for r in range(plan.pp) if 0 in plan.stages_of_rank(r))
+    last = next(r for r in range(plan.pp) if plan.n_stages - 1 in plan.stages_of_rank(r))
+    if first == last:
+        return []
+    pairs = []
+    for rank in range(plan.world_size):
+        coords = plan.rank_coords(rank)
+        if coords["pp"] == first:
+            pairs.append([rank, plan.coords_rank({**coords, "pp": last})])
+    return pairs
+
+
+def tied_embedding_group(plan: ParallelPlan, tie_embeddings: bool) -> dist.ProcessGroup | None:
+    """This rank's embedding group (every rank takes part in creating every pair's group)."""
+    pairs = tied_rank_pairs(plan) if tie_embeddings and plan.pp > 1 else []
+    if not pairs:
+        return None
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group
+
+
+def _tied_pair(modules: list[nn.Module]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(embedding tables, output projections) among this rank's stage modules of a tied model."""
+    if not modules or not modules[0].spec.tie_embeddings:  # type: ignore[union-attr]
+        return [], []
+    embeddings = [m.tok_embeddings.weight for m in modules if m.tok_embeddings is not None and m.output is None]
+    outputs = [m.output.weight for m in modules if m.output is not None and m.tok_embeddings is None]
+    return embeddings, outputs
+
+
+def tied_copies(modules: list[nn.Module]) -> set[int]:
+    """ids of the parameters that copy another (a stage's output projection tied to the first
+    stage's table): the gradient norm counts the pair once."""
+    return {id(p) for p in _tied_pair(modules)[1]}
+
+
+def _local_grad(p: nn.Parameter) -> torch.Tensor:
+    g = p.grad
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
+@torch.no_grad()
+def sum_tied_grads(modules: list[nn.Module], group: dist.ProcessGroup | None) -> None:
+    """Give the tied table and output projection the sum of their gradients (call after backward,
+    with every gradient in its parameter's placements: both are split alike over TP and FSDP, so
+    their local shards match element for element)."""
+    embeddings, outputs = _tied_pair(modules)
+    if embeddings and outputs:  # one rank holds both stages
+        total = _local_grad(embeddings[0]) + _local_grad(outputs[0])
+        _local_grad(embeddings[0]).copy_(total)
+        _local_grad(outputs[0]).copy_(total)
+    elif (embeddings or outputs) and group is not None:
+        dist.all_reduce(_local_grad((embeddings or outputs)[0]), group=group)

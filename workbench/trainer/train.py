@@ -4,8 +4,11 @@ One step, whatever the layout:
 
 1. read this data-parallel rank's slice of the global batch (``data.BatchLoader``);
 2. forward + backward over its micro-batches: gradient accumulation (pp = 1; each micro-batch
-   loss is divided by their number) or a pipeline schedule (pp > 1, same scaling);
-3. clip gradients by their global L2 norm (over every shard, stage and expert);
+   loss is divided by their number) or a pipeline schedule (pp > 1, same scaling); with dropout,
+   the model is told the step and each row's global sample index (the masks' keys);
+3. finish the gradients that backward leaves partial (experts over their data-parallel ranks,
+   tied embeddings over the first and last stage), then clip them by their global L2 norm (over
+   every shard, stage and expert; a tied pair counted once);
 4. AdamW step (warm-up then cosine decay to ``min_lr_ratio * lr``);
 5. log the global mean loss (averaged over the data-parallel and context-parallel ranks) as a
    "step" event.
@@ -62,7 +65,16 @@ from workbench.trainer.instrument import make_instrument
 from workbench.trainer.lifeline import tie_to_parent, watch_parent
 from workbench.trainer.mesh import Meshes, build_meshes, check_mesh
 from workbench.trainer.parallelize import Parallelized, parallelize
-from workbench.trainer.pipeline import PipelineSchedule, build_schedule, build_stages, holds_first, holds_last
+from workbench.trainer.pipeline import (
+    PipelineSchedule,
+    build_schedule,
+    build_stages,
+    holds_first,
+    holds_last,
+    sum_tied_grads,
+    tied_copies,
+    tied_embedding_group,
+)
 from workbench.trainer.transformer import Transformer, build_model, materialize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -147,7 +159,8 @@ def settle_grad_placements(params: list[torch.nn.Parameter]) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group=None) -> float:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group=None,
+                   copies: set[int] | frozenset[int] = frozenset()) -> float:
     """Global L2 norm of all gradients, then scale them by min(1, max_norm / norm).
 
     DTensor gradients (FSDP, TP, EP shards) contribute their full norm: the shards' squared local
@@ -155,13 +168,14 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group=N
     once), with one all-reduce per (mesh, placements) kind and dimension, not one per gradient as
     ``full_tensor`` per norm would issue (a block has ~9 gradient tensors: hundreds of scalar
     collectives a step on a large model); pipeline stages hold disjoint parameters, so their
-    squared norms are summed over the pp group."""
+    squared norms are summed over the pp group. ``copies``: ids of parameters whose gradient
+    duplicates another's (a tied output projection on the last stage): scaled, not counted."""
     settle_grad_placements(params)
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     partial: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
+    for g in (p.grad for p in params if p.grad is not None and id(p) not in copies):
         n = torch.linalg.vector_norm(g, dtype=torch.float32)
         if isinstance(n, DTensor):
             # the local value of a norm partial over a mesh dimension is this shard's norm
@@ -206,12 +220,18 @@ class Trainer:
     n_microbatches: int
     pipeline: PipelineSchedule | None = None  # when pp > 1
     dp_wrapped: bool = False  # a data-parallel wrapper casts and syncs gradients (Parallelized)
+    tied_group: dist.ProcessGroup | None = None  # tied embeddings on two pipeline ranks: the pair's group
     step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
         return [p for m in self.modules for p in m.parameters()]
+
+    def sample_indices(self) -> torch.Tensor:
+        """Global sample indices (in the step's global batch) of this rank's rows."""
+        local = self.loader.local_batch_size
+        return torch.arange(local, device=self.device) + self.loader.dp_rank * local
 
 
 def _positions_for_cp(trainer: "Trainer", tokens: torch.Tensor, targets: torch.Tensor):
@@ -230,7 +250,7 @@ def setup(config: RunConfig, rank: int, device: torch.device) -> Trainer:
     if dist.is_initialized():
         check_mesh(meshes, rank)
     compute = DTYPES[t.compute_dtype] if device.type == "cuda" else torch.float32
-    meta = build_model(config.model, "meta", t.moe_capacity_factor)
+    meta = build_model(config.model, "meta", t.moe_capacity_factor, t.dropout_rate if t.dropout else 0.0, t.seed)
     n_micro = config.n_microbatches
     wrapped: list[Parallelized] = []
 
@@ -257,7 +277,8 @@ def setup(config: RunConfig, rank: int, device: torch.device) -> Trainer:
                          dp_rank=meshes.local_rank("dp"), dp_size=plan.dp, seed=t.seed)
     # every module of this rank is parallelised alike: the first one's wrapper says it for all
     return Trainer(config, rank, device, meshes, modules, optimizer, loader, n_micro, pipeline,
-                   dp_wrapped=wrapped[0].casts_compute_dtype)
+                   dp_wrapped=wrapped[0].casts_compute_dtype,
+                   tied_group=tied_embedding_group(plan, config.model.tie_embeddings))
 
 
 def _autocast(trainer: Trainer):
@@ -293,6 +314,10 @@ def train_step(trainer: Trainer) -> dict[str, Any]:
         positions = positions.to(trainer.device)
     local_loss = torch.zeros((), device=trainer.device)
     b, m = t.micro_batch_size, trainer.n_microbatches
+    # Dropout masks are keyed by the step and each row's global sample index (transformer.py).
+    samples = trainer.sample_indices() if t.dropout else None
+    for module in trainer.modules:
+        module.dropout_step = step
     with _autocast(trainer), _loss_parallel(trainer):
         if trainer.pipeline is not None:
             pp_rank = trainer.meshes.local_rank("pp")
@@ -300,13 +325,15 @@ def train_step(trainer: Trainer) -> dict[str, Any]:
                 module.default_positions = positions
             losses: list[torch.Tensor] = []
             args = (tokens,) if holds_first(plan, pp_rank) else ()
+            # Keyword tensors are split into micro-batches like the inputs and reach every stage.
+            kwargs = {} if samples is None else {"samples": samples}
             # return_outputs=False: the last stage would otherwise keep every micro-batch's
             # logits until the step ends (m x s x V values); the losses are all the step needs.
             if holds_last(plan, pp_rank):
-                trainer.pipeline.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+                trainer.pipeline.schedule.step(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
                 local_loss = torch.stack([_plain(x.detach()).float() for x in losses]).sum()
             else:
-                trainer.pipeline.schedule.step(*args, return_outputs=False)
+                trainer.pipeline.schedule.step(*args, return_outputs=False, **kwargs)
         else:
             model = trainer.modules[0]
             for i in range(m):
@@ -314,13 +341,17 @@ def train_step(trainer: Trainer) -> dict[str, Any]:
                     # Reduce gradients once, after the last micro-batch (same sum, less traffic).
                     model.set_requires_gradient_sync(i == m - 1)
                 x, y = tokens[i * b : (i + 1) * b], targets[i * b : (i + 1) * b]
-                loss = cross_entropy(model(x, positions), y) / m
+                rows = None if samples is None else samples[i * b : (i + 1) * b]
+                loss = cross_entropy(model(x, positions, rows), y) / m
                 loss.backward()
                 local_loss += _plain(loss.detach()).float()
     if plan.ep > 1:
         for module in trainer.modules:
             reduce_expert_grads(module, trainer.meshes.expert_dp_group)
-    grad_norm = clip_grad_norm(trainer.params, t.grad_clip, trainer.meshes.group("pp"))
+    if config.model.tie_embeddings and plan.pp > 1:
+        settle_grad_placements(trainer.params)  # the pair's local shards must match before they are summed
+        sum_tied_grads(trainer.modules, trainer.tied_group)
+    grad_norm = clip_grad_norm(trainer.params, t.grad_clip, trainer.meshes.group("pp"), tied_copies(trainer.modules))
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     # The loss lives on the last pipeline stage: sum it over pp, then average over dp x cp.
@@ -361,7 +392,7 @@ def run_training(config: RunConfig, writer: EventWriter | None = None, steps: in
                  run_dir: str | Path | None = None, resume: bool = False, losses: Losses | None = None) -> Losses:
     """Train ``config`` in this process (one rank of an initialised job, or alone when the world
     size is 1); emit events to ``writer``; return the per-step losses. ``steps``: how many to run
-    (default: up to ``config.train.steps``). With ``run_dir``, checkpoint into
+    (default: up to ``config.train.steps_to_run``). With ``run_dir``, checkpoint into
     ``<run_dir>/checkpoints`` and, with ``resume``, first load the latest good one (checkpoint.py).
     ``losses``: the object to fill and return; its ``final_step`` is kept current as the run goes,
     so a caller that sees this function raise still knows the last step completed."""
@@ -383,7 +414,7 @@ def run_training(config: RunConfig, writer: EventWriter | None = None, steps: in
                              n_params=config.model.n_params(), n_local_params=n_local, steps=config.train.steps,
                              step=trainer.step))
     instrument = make_instrument(trainer, writer)  # None: instrumentation off, or nowhere to write
-    for _ in range(steps if steps is not None else config.train.steps - trainer.step):
+    for _ in range(steps if steps is not None else max(0, config.train.steps_to_run - trainer.step)):
         faults.before_step(trainer)
         if instrument is not None:
             instrument.begin_step(trainer.step)
