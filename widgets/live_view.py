@@ -252,7 +252,7 @@ class LiveView(pn.viewable.Viewer):
     def _fit_steps(self, last: int) -> None:
         """The step axis from 0 to the run's planned steps, or past them to ``last``."""
         config = self.session.config
-        end = max(last, config.train.steps if config is not None else 1, 1) + 0.5
+        end = max(last, config.train.steps_to_run if config is not None else 1, 1) + 0.5
         if (self.x_range.start, self.x_range.end) != (0, end):
             self.x_range.update(start=0, end=end)
 
@@ -303,7 +303,7 @@ class LiveView(pn.viewable.Viewer):
         n = len(self.curves.data["step"])
         loss = self.curves.data["loss"][-1] if n else None
         tps = self.curves.data["tokens_per_s"][-1] if n else None
-        total = self.session.config.train.steps if self.session.config else None
+        total = self.session.config.train.steps_to_run if self.session.config else None
         outcome = d.outcome()
         if status is not None:
             state, note = status.state, ""

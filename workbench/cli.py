@@ -39,6 +39,10 @@ from workbench.launch.kernels import KernelError
 from workbench.launch.slurm_options import SlurmRequest
 from workbench.launch.local import STOP_TIMEOUT_S, config_from_cli, resume_local, train_local
 from workbench.launch.outcome import EXIT_BAD_INPUT, EXIT_CODES
+from workbench.spec.acceptance import METRICS as ACCEPT_METRICS
+from workbench.rundir.acceptance import evaluate_acceptance, format_results
+from workbench.rundir.runs_compare import compare_runs
+from workbench.launch.baseline import BASELINE_STEPS, baseline_config
 from workbench.launch.preflight import check_launch, check_run_id_free, load_config_file, load_run_config
 from workbench.bench import calibration_report, format_fit, run_compute_benchmark
 
@@ -258,8 +262,11 @@ def serve(port: int, address: str, basic_auth: str | None, show: bool, run_root:
 # ---------------------------------------------------------------------------- train
 # `train` options a resume may change (the rest of a run's config is its own), and those that go
 # with --config (the file holds the whole RunConfig). Any other option given with either is refused.
+ACCEPT_HELP = ("Acceptance thresholds declared before the run, e.g. \"tokens_per_s_per_gpu>=2000,step_time_error<=0.25\" "
+               f"(metrics: {', '.join(f'{m}{op}' for m, (op, _) in ACCEPT_METRICS.items())}); kept in config.json, "
+               "judged at the end (exit status 4 when one fails).")
 RESUME_OPTIONS = ("resume_dir", "steps", "checkpoint_every", "checkpoint_keep", "checkpoint_async", "max_restarts")
-CONFIG_FILE_OPTIONS = ("config_path", "run_root", "run_id", "balance_stages", "max_restarts")
+CONFIG_FILE_OPTIONS = ("config_path", "run_root", "run_id", "balance_stages", "max_restarts", "baseline")
 
 
 def _train_help() -> str:
@@ -320,10 +327,15 @@ def _refuse_options(ctx: click.Context, given: list[str], allowed: tuple[str, ..
 @click.option("--checkpoint-async", is_flag=True, default=False, help="Save with torch.distributed.checkpoint's async_save.")
 @click.option("--checkpoint-keep", type=int, default=None, help="Keep the last K committed checkpoints (default 3).")
 @click.option("--max-restarts", type=int, default=0, show_default=True, help="torchrun restarts after a fault.")
+@click.option("--accept", default=None, help=ACCEPT_HELP)
+@click.option("--baseline", is_flag=True, default=False,
+              help=f"Run the plan's naive baseline instead: plain data parallel over the same ranks, the same model, "
+                   f"data and global batch, the first {BASELINE_STEPS} steps of its schedule "
+                   "(then: workbench compare PLAN_RUN BASELINE_RUN).")
 @click.option("--resume", "resume_dir", type=click.Path(), default=None,
               help="Continue runs/<id> from its latest good checkpoint.")
 def train(model: str, plan_text: str, steps: int, config_path: str | None, run_root: str, run_id: str | None,
-          balance_stages: bool, max_restarts: int, resume_dir: str | None, **overrides: Any) -> None:
+          balance_stages: bool, max_restarts: int, baseline: bool, resume_dir: str | None, **overrides: Any) -> None:
     ctx = click.get_current_context()
     given = _given_options(ctx)
     if resume_dir is not None:  # "" too: a given path that names no run is an error, not a new run
@@ -336,6 +348,14 @@ def train(model: str, plan_text: str, steps: int, config_path: str | None, run_r
         config = load_config_file(config_path, field="config")
     else:
         config = config_from_cli(model, plan_text, steps, **{k: v for k, v in overrides.items() if k in given})
+    baseline_of = None
+    if baseline:
+        require(not balance_stages, "--baseline runs plain data parallel: it has no stages to balance",
+                field="balance_stages", value=True)
+        baseline_of = {"plan": config.plan.describe()}
+        config = baseline_config(config)
+        click.echo(f"naive baseline of {baseline_of['plan']}: {config.plan.describe()}, "
+                   f"{config.train.stop_after} of {config.train.steps} steps")
     check_launch(config, max_restarts)  # before --balance-stages spends its time profiling
     check_run_id_free(run_root, run_id)
     if balance_stages:
@@ -343,7 +363,8 @@ def train(model: str, plan_text: str, steps: int, config_path: str | None, run_r
 
         config = balance(config)
         click.echo(f"balanced stages (layers per stage): {list(config.plan.stage_layers or ())}")
-    sys.exit(train_local(config, run_root=run_root, run_id=run_id, stream=click.echo, max_restarts=max_restarts))
+    sys.exit(train_local(config, run_root=run_root, run_id=run_id, stream=click.echo, max_restarts=max_restarts,
+                         baseline_of=baseline_of))
 
 
 # ---------------------------------------------------------------------------- launch
@@ -413,6 +434,7 @@ def run_config_options(f: Callable) -> Callable:
         click.option("--checkpoint-async", is_flag=True, default=False,
                      help="Save with torch.distributed.checkpoint's async_save."),
         click.option("--checkpoint-keep", type=int, default=None, help="Keep the last K committed checkpoints (default 3)."),
+        click.option("--accept", default=None, help=ACCEPT_HELP),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -504,7 +526,7 @@ def launch_and_follow(config: RunConfig, backend: str, options: dict[str, Any], 
                 f"x {c.gpus_per_node}, {backend} kernels, {config.plan.describe()})")
 
     try:
-        return start_and_follow(start, click.echo, config.train.steps, announce)
+        return start_and_follow(start, click.echo, config.train.steps_to_run, announce)
     except KernelError as e:  # launch() has ended the kernels that did start: nothing is left running
         raise click.ClickException(f"could not start the run: {e}") from None  # exit status 1 (EXIT_FAILED)
 
@@ -530,7 +552,7 @@ def resume_and_follow(resume_dir: str) -> int:
         return f"resume {r.path}  ({config.world_size} ranks, {config.plan.describe()}, attempt {r.attempt})"
 
     try:
-        return start_and_follow(run.resume, click.echo, config.train.steps, announce, skip=skip)
+        return start_and_follow(run.resume, click.echo, config.train.steps_to_run, announce, skip=skip)
     except KernelError as e:
         run.shutdown()  # the kernels that did start
         raise click.ClickException(f"could not resume the run: {e}") from None  # exit status 1 (EXIT_FAILED)
@@ -586,22 +608,39 @@ def launch_command(backend: str, model: str, plan_text: str, steps: int, config_
 # ---------------------------------------------------------------------------- compare
 @main.command()
 @click.argument("run_dir", type=click.Path())
+@click.argument("other_run", type=click.Path(), required=False)
 @click.option("--cluster", "cluster_path", default=None,
               help="Price the run on this cluster (a calibrated cluster JSON from workbench calibrate), "
                    "with the run's nodes x GPUs per node.")
 @click.option("--framework", default=None,
               help=f"Price the run under this profile ({', '.join(FRAMEWORKS)} or a fitted profile JSON).")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
-def compare(run_dir: str, cluster_path: str | None, framework: str | None, as_json: bool) -> None:
-    """Predicted next to measured for a run: memory, bubble, collective bytes, step time. On a CPU
-    the step-time rows mean something on the calibrated cluster under a fitted profile
-    (benchmarks/bench_cpu_loop.py shows the loop)."""
-    if not os.path.exists(os.path.join(run_dir, "config.json")):
-        raise ConfigError(f"run_dir={run_dir!r} is not a run directory (no config.json)", field="run_dir")
+def compare(run_dir: str, other_run: str | None, cluster_path: str | None, framework: str | None,
+            as_json: bool) -> None:
+    """Predicted next to measured for a run: memory, bubble, collective bytes, step time, and its
+    declared acceptance thresholds. With a second run, the two side by side: what differs in
+    their lineages first, then throughput, memory and the loss over the steps both ran (a plan
+    beside its naive baseline: workbench train --baseline). On a CPU the step-time rows mean
+    something on the calibrated cluster under a fitted profile (benchmarks/bench_cpu_loop.py)."""
+    for name, path in (("run_dir", run_dir), ("other_run", other_run)):
+        if path is not None and not os.path.exists(os.path.join(path, "config.json")):
+            raise ConfigError(f"{name}={path!r} is not a run directory (no config.json)", field=name)
+    if other_run is not None:
+        require(cluster_path is None and framework is None, "--cluster and --framework price one run against its "
+                "prediction; two runs are compared as measured", field="other_run", value=other_run)
+        both = compare_runs(run_dir, other_run)
+        click.echo(json.dumps(both.to_dict(), indent=2) if as_json else both.format())
+        return
     cluster = build_cluster(cluster_path) if cluster_path else None
     profile = resolve_framework(framework) if framework else None
     comparison = compare_run(run_dir, cluster=cluster, framework=profile)
-    click.echo(json.dumps(comparison.to_dict(), indent=2) if as_json else comparison.format())
+    results, ended = evaluate_acceptance(run_dir, comparison)
+    if as_json:
+        click.echo(json.dumps(comparison.to_dict() | {"acceptance": [r.to_dict() for r in results]}, indent=2))
+        return
+    click.echo(comparison.format())
+    for line in format_results(results, ended):
+        click.echo(line)
 
 
 # ---------------------------------------------------------------------------- bench, calibrate
@@ -764,7 +803,9 @@ def plan(model: str, hf_config: str | None, cluster_name: str, nodes: int, top: 
                f"{advice.stats['too_big']} did not fit, {advice.stats['predicted']} predicted")
     b = advice.baseline
     if b.fits:
-        click.echo(f"baseline, plain data parallel: step {b.prediction.step_time_s:.3f} s, MFU {b.prediction.mfu:.1%}")
+        fp8_mfu = b.prediction.mfu_fp8_peak
+        click.echo(f"baseline, plain data parallel: step {b.prediction.step_time_s:.3f} s, MFU {b.prediction.mfu:.1%}"
+                   + (f" ({fp8_mfu:.1%} of the FP8 peak)" if fp8_mfu is not None else ""))
     else:
         click.echo(f"baseline: {b.reason}")
     if not advice:

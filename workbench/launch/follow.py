@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 from workbench.launch.local import format_event
 from workbench.launch.outcome import (EXIT_DONE, EXIT_FAILED, EXIT_GUARD, EXIT_INTERRUPTED, EXIT_TERMINATED,
-                                      rank_ends)
+                                      judge_acceptance, rank_ends)
 
 POLL_S = 0.2  # how often node states and signals are looked at between events
 DRAIN_S = 10.0  # how long the last events may take to come in once a stopped run has ended
@@ -200,6 +200,9 @@ def follow(run: Any, stream: Stream, total_steps: int, signals: StopSignals | No
     printer.print_node_changes(status)
     code, line = verdict(status, printer.events, run.config.world_size, signals.signum, run.path)
     stream(line)
+    code, report = judge_acceptance(code, run.path)
+    for line in report:
+        stream(line)
     return code
 
 

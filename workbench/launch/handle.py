@@ -24,6 +24,7 @@ import inspect
 import json
 import os
 import secrets
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ from typing import Any, AsyncIterator, Iterator
 
 from workbench.spec.config import RunConfig
 from workbench.spec.errors import ConfigError, check_choice, check_positive, require
+from workbench.rundir.acceptance import record_acceptance
 from workbench.rundir.events import read_events
 from workbench.rundir.record import create_run_dir
 from workbench.rundir.status import STOP_SKEW_S, run_outcome
@@ -191,6 +193,7 @@ class RunHandle:
         # A scheduler's allocation (the slurm backend) is given back once the run has ended.
         self._release_lock = threading.Lock()
         self._released = False
+        self._judged = False  # the declared acceptance thresholds judged once the attempt has ended
 
     # ---- public API
 
@@ -308,6 +311,7 @@ class RunHandle:
         # Only now: until the nodes are starting, the monitor would take the ended run's state
         # for this attempt's and give the new allocation back.
         self._released = False
+        self._judged = False
         return self
 
     def restart(self) -> "RunHandle":
@@ -345,6 +349,19 @@ class RunHandle:
                 node.channel = None
         self._release_allocation()
         return status
+
+    def _judge_acceptance(self) -> None:
+        """A run that ran to its end (finished, or stopped by a guard) has its declared thresholds
+        judged into its events (:func:`~workbench.rundir.acceptance.record_acceptance`, written
+        once however many end paths call it), for the app and ``workbench compare`` alike."""
+        self._judged = True
+        state = self._run_state()
+        guarded = any(e["kind"] == "guard" for e in read_events(self.path))
+        if state == "finished" or (state == "stopped" and guarded):
+            try:
+                record_acceptance(self.path)
+            except (ConfigError, OSError) as e:  # a damaged run directory: the run's end stands
+                sys.stderr.write(f"[workbench] {self.path}: acceptance thresholds not judged: {e}\n")
 
     def _release_allocation(self) -> None:
         """Give a scheduler's allocation back (the backend's ``release``: scancel, and wait until
@@ -472,6 +489,8 @@ class RunHandle:
             self._check_faults()
             if not self._released and self._done():
                 self._release_allocation()
+            if not self._judged and self._done():
+                self._judge_acceptance()
             with self._cond:
                 self._cond.notify_all()
             time.sleep(POLL_S)

@@ -13,6 +13,7 @@ of its own), which forwards it to the ranks, and SIGKILL to everything left afte
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -26,7 +27,7 @@ from workbench.spec.config import RunConfig, build_run_config
 from workbench.rundir.events import next_seq, read_events
 from workbench.rundir.record import create_run_dir
 from workbench.launch.agent import descendants
-from workbench.launch.outcome import Verdict, judge
+from workbench.launch.outcome import Verdict, judge, judge_acceptance
 from workbench.launch.preflight import (check_launch, check_resume, check_run_id_free, load_run_config,
                                         record_resume, resumed_config)
 from workbench.launch.worker import TRAINER
@@ -97,15 +98,16 @@ def format_event(event: dict[str, Any], total: int) -> str | None:
 
 def train_local(config: RunConfig, run_root: str | os.PathLike = "runs", run_id: str | None = None,
                 stream: Callable[[str], None] = print, env: dict[str, str] | None = None,
-                max_restarts: int = 0) -> int:
+                max_restarts: int = 0, baseline_of: dict[str, Any] | None = None) -> int:
     """Create the run directory, run torchrun with one process per rank, stream one line per
     step (from rank 0's events), every error, checkpoint commit, fault, restart and resume; return
     the job's exit status (:mod:`~workbench.launch.outcome`: 0 done, 1 failed, 3 stopped by a guard,
     130/143 interrupted by SIGINT/SIGTERM). ``max_restarts``: torchrun restarts the job that many
-    times at most. Bad input raises ConfigError before anything is made or started."""
+    times at most. ``baseline_of``: this run is the naive baseline of that plan (``{"plan": ...,
+    "run_id": ...}``, in the manifest). Bad input raises ConfigError before anything is made or started."""
     check_launch(config, max_restarts)
     check_run_id_free(run_root, run_id)  # names a live run's pid; create_run_dir refuses any taken id
-    run_dir = create_run_dir(config, run_root, run_id)
+    run_dir = create_run_dir(config, run_root, run_id, manifest_extra={"baseline_of": baseline_of} if baseline_of else None)
     stream(f"run {run_dir}  ({config.world_size} ranks, {config.plan.describe()})")
     return _run_torchrun(run_dir, config, stream, env, resume=False, max_restarts=max_restarts).exit_code
 
@@ -243,7 +245,7 @@ def _run_torchrun(run_dir: Path, config: RunConfig, stream: Callable[[str], None
         child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     start = next_seq(read_events(run_dir))  # a resumed run is judged (and streamed) by what it adds
     since = dict(start)
-    total = config.train.steps
+    total = config.train.steps_to_run
 
     def drain() -> None:
         for e in read_events(run_dir, since):
@@ -282,4 +284,9 @@ def _run_torchrun(run_dir: Path, config: RunConfig, stream: Callable[[str], None
             for line in (run_dir / "torchrun.log").read_text(errors="replace").strip().splitlines()[-5:]:
                 stream(f"  {line}")
         stream(verdict.line)
+        code, report = judge_acceptance(verdict.exit_code, run_dir)
+        for line in report:
+            stream(line)
+        if code != verdict.exit_code:
+            verdict = dataclasses.replace(verdict, outcome="failed acceptance", exit_code=code, line=report[-1])
     return verdict

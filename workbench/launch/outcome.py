@@ -19,12 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from workbench.rundir.acceptance import acceptance_failed, format_results, record_acceptance
+
 # The exit statuses of `workbench train` (also in its --help and in the README). 2 is the CLI's
 # status for bad input (ConfigError), 130 and 143 the shells' 128 + signal number.
 EXIT_DONE = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_GUARD = 3
+EXIT_ACCEPTANCE = 4
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 
@@ -33,6 +36,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_FAILED: "failed: a rank raised, was killed, or torchrun failed",
     EXIT_BAD_INPUT: "bad input: one line names the option, nothing was started",
     EXIT_GUARD: "stopped by a guard (non-finite loss, gradient spike, throughput floor)",
+    EXIT_ACCEPTANCE: "ran to its end but failed a declared acceptance threshold (--accept)",
     EXIT_INTERRUPTED: "interrupted by SIGINT (Ctrl-C)",
     EXIT_TERMINATED: "terminated by SIGTERM (the job's ranks were stopped)",
 }
@@ -148,3 +152,18 @@ def judge(events: Iterable[dict[str, Any]], world_size: int, torchrun_code: int 
     return Verdict("failed", EXIT_FAILED, f"job failed: torchrun exited with status {torchrun_code}"
                                           f"{' (' + why + ')' if why else ' after every rank had ended'}; log: {log}",
                    step, show_log=True)
+
+
+def judge_acceptance(exit_code: int, run_dir: str | Path) -> tuple[int, list[str]]:
+    """A run that ran to its end (done, or stopped by a guard) is judged on its declared acceptance
+    thresholds (:func:`workbench.rundir.acceptance.record_acceptance` writes the ``acceptance``
+    event): (EXIT_ACCEPTANCE where a done run failed one, else ``exit_code``; the report lines,
+    the last naming what failed). A guard stop keeps its status: the guard is the first cause."""
+    if exit_code not in (EXIT_DONE, EXIT_GUARD):
+        return exit_code, []
+    results = record_acceptance(run_dir)
+    lines = format_results(results)
+    if exit_code == EXIT_DONE and acceptance_failed(results):
+        failed = ", ".join(str(r.threshold) for r in results if r.status == "fail")
+        return EXIT_ACCEPTANCE, lines + [f"failed the declared threshold(s) {failed}: exit status {EXIT_ACCEPTANCE}"]
+    return exit_code, lines

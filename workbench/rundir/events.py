@@ -782,5 +782,18 @@ class Resume:
     notes: list[str] = field(default_factory=list)
 
 
-EVENT_TYPES.update({cls.kind: cls for cls in (Checkpoint, CheckpointRejected, Fault, Restart, Resume)})
+@dataclass(frozen=True)
+class Acceptance:
+    """The declared acceptance thresholds judged when the run ended (issue 17:
+    workbench/rundir/acceptance.py writes it, in rank 0's file, after the job): one dict per
+    threshold (``threshold``, ``measured``, ``status`` pass / fail / not measured, ``how``) and
+    whether any failed."""
+
+    kind = "acceptance"
+    step: int | None  # the last step the run logged
+    verdicts: list[dict] = field(default_factory=list)
+    failed: bool = False
+
+
+EVENT_TYPES.update({cls.kind: cls for cls in (Checkpoint, CheckpointRejected, Fault, Restart, Resume, Acceptance)})
 KINDS = tuple(EVENT_TYPES)

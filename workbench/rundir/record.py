@@ -19,6 +19,7 @@ from typing import Any
 from workbench.spec.config import RunConfig
 from workbench.spec.errors import ConfigError, require
 from workbench.rundir.events import ReadReport, open_regular, os_reason, read_events
+from workbench.rundir.lineage import build_lineage, write_lineage
 
 
 # A run id is a name, one path component: no separators, no "..", nothing a shell or a URL reads
@@ -89,10 +90,12 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
     }
 
 
-def create_run_dir(config: RunConfig, root: str | os.PathLike = "runs", run_id: str | None = None) -> Path:
-    """Make ``<root>/<run_id>/`` with ``config.json``, ``manifest.json`` and an empty ``events/``.
-    A ``run_id`` that is not a name (:func:`check_run_id`) or already exists under ``root`` is a
-    :class:`ConfigError`: a run directory is never shared by two runs."""
+def create_run_dir(config: RunConfig, root: str | os.PathLike = "runs", run_id: str | None = None, *,
+                   hf_config: str | os.PathLike | None = None, manifest_extra: dict[str, Any] | None = None) -> Path:
+    """Make ``<root>/<run_id>/`` with ``config.json``, ``manifest.json``, ``lineage.json``
+    (:mod:`workbench.rundir.lineage`; ``hf_config``: the file the model was imported from) and an
+    empty ``events/``; ``manifest_extra`` joins the manifest (a baseline's ``baseline_of``). A ``run_id`` that is not a name (:func:`check_run_id`) or already exists
+    under ``root`` is a :class:`ConfigError`: a run directory is never shared by two runs."""
     run_id = new_run_id(config) if run_id is None else check_run_id(run_id)
     path = Path(root) / run_id
     try:
@@ -107,7 +110,8 @@ def create_run_dir(config: RunConfig, root: str | os.PathLike = "runs", run_id: 
                           field="runs", value=str(root)) from None
     (path / "events").mkdir()
     (path / "config.json").write_text(config.to_json())
-    (path / "manifest.json").write_text(json.dumps(build_manifest(config), indent=2))
+    (path / "manifest.json").write_text(json.dumps(build_manifest(config) | dict(manifest_extra or {}), indent=2))
+    write_lineage(path, build_lineage(config, hf_config=hf_config))
     return path
 
 

@@ -16,6 +16,32 @@ preset            param    grad    master  optim  compute  bytes/param with Adam
 ``param_dtype`` is how parameters are stored; ``master_dtype`` is a separate higher-precision copy
 the optimizer updates (None when the stored parameters are themselves the master copy);
 ``compute_dtype`` is the dtype of activations and of the unsharded weights used in matmuls.
+
+A sixth field, ``fp8_recipe``, runs the block Linears' GEMMs on FP8 tensor cores
+(:mod:`workbench.spec.float8` holds each recipe's facts and sources). The FP8 recipes keep a bf16
+recipe's five dtypes; what changes is which GEMMs run at the FP8 peak, the casts, and a few stored
+bytes:
+
+=====================  ===============  =====================================  ===================================
+preset (dtypes of)     FP8 GEMMs        extra work per Linear                  stored differently
+=====================  ===============  =====================================  ===================================
+``float8-tensorwise``  attention, MLP   dynamic tensorwise casts of input,     FSDP all-gathers the Linear weights
+(``fsdp2-bf16``,       (and shared      weight, output gradient (amax pass +   in fp8 (1 byte/param, not 2); SP
+torchao)               experts); not    cast: 6/8/6 bytes per element); one    all-gathers in fp8; activations as
+                       head, router,    weight-amax all-reduce a step (FSDP)   bf16 (bf16 inputs saved)
+                       routed experts
+``float8-rowwise``     as above, at     rowwise casts (8/10/8 bytes per        nothing: all communication bf16,
+(``fsdp2-bf16``,       0.9 of the       element, a transposed bf16 copy each)  activations as bf16
+torchao)               tensorwise rate
+``te-fp8``             attention, MLP,  delayed-scaling fused cast-transpose   fp8 saved inputs of the Linears (1
+(``bf16-megatron``,    experts; not     (4 bytes per element); weights cast    byte, not 2); cached fp8 weight +
+Transformer Engine)    head, router     once a step; amax all-reduce per       transpose (2 bytes/local param);
+                                        forward and per backward               amax history 1024 x fp32 per tensor
+=====================  ===============  =====================================  ===================================
+
+An FP8 recipe needs FP8 tensor cores: on a GPU without them (``fp8_flops = 0``: A100, the CPU
+cluster) :class:`RunConfig` refuses it. MFU stays against the dense bf16 peak (the convention of
+torchtitan and Megatron); :func:`workbench.predict.perf.mfu` gives the FP8-peak figure beside it.
 """
 
 from __future__ import annotations
@@ -27,12 +53,15 @@ from dataclasses import asdict, dataclass, replace
 import os
 from typing import Any, Mapping
 
+from workbench.spec.acceptance import format_accept, parse_accept
 from workbench.spec.cluster import Cluster
 from workbench.spec.errors import ConfigError, check_choice, check_fraction, check_int, check_positive, require
 from workbench.spec.fields import check_types, from_mapping
 from workbench.spec.files import parse_json, read_user_json
+from workbench.spec.float8 import FLOAT8_RECIPES, Float8Recipe, float8_recipe
 from workbench.spec.model import ModelSpec
 from workbench.spec.plan import PLAN_ALIASES, ParallelPlan
+from workbench.spec.data import DATASETS
 from workbench.spec.framework import DEFAULT_FRAMEWORK, FRAMEWORKS, FrameworkProfile, resolve_framework
 from workbench.spec.schedules import check_schedule, degenerate_form, torch_schedule_limits
 
@@ -41,7 +70,6 @@ RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("flash", "eager")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # Adam: m and v; SGD: momentum
-DATASETS = ("pydoc", "synthetic", "text", "bin")
 
 PRECISIONS: dict[str, dict[str, str | None]] = {
     "fp32": dict(param_dtype="fp32", grad_dtype="fp32", master_dtype=None, optim_dtype="fp32", compute_dtype="fp32"),
@@ -50,6 +78,11 @@ PRECISIONS: dict[str, dict[str, str | None]] = {
     "fsdp2-bf16": dict(param_dtype="fp32", grad_dtype="fp32", master_dtype=None, optim_dtype="fp32", compute_dtype="bf16"),
     "bf16": dict(param_dtype="bf16", grad_dtype="bf16", master_dtype=None, optim_dtype="bf16", compute_dtype="bf16"),
 }
+for _recipe in PRECISIONS.values():
+    _recipe["fp8_recipe"] = None  # a bf16 or fp32 recipe: no FP8 GEMMs
+# The FP8 recipes: a bf16 recipe's dtypes and the FP8 facts of workbench.spec.float8.
+for _name, _fp8 in FLOAT8_RECIPES.items():
+    PRECISIONS[_name] = {**PRECISIONS[_fp8.base_precision], "fp8_recipe": _name}
 
 
 @dataclass(frozen=True)
@@ -66,12 +99,15 @@ class TrainSettings:
     recompute: str = "none"
     attention: str = "flash"  # "flash": no s x s scores kept; "eager": scores and softmax kept
     dropout: bool = False  # Korthikanti's activation coefficients assume dropout masks
+    dropout_rate: float = 0.1  # the bundled trainer's hidden-dropout rate, used only with dropout=true
     optimizer: str = "adamw"
     param_dtype: str = "fp32"
     grad_dtype: str = "fp32"
     master_dtype: str | None = None
     optim_dtype: str = "fp32"
     compute_dtype: str = "bf16"
+    # FP8 GEMMs for the block Linears: a name of workbench.spec.float8.FLOAT8_RECIPES (None: none)
+    fp8_recipe: str | None = None
     # The framework whose memory conventions and time constants price this job: a name of
     # workbench.spec.framework.FRAMEWORKS, or a FrameworkProfile (a fitted one; a path to its JSON
     # is read at construction, so a saved config holds the profile itself).
@@ -81,6 +117,7 @@ class TrainSettings:
     allocator_fragmentation: float | None = None
     # the trainer
     steps: int = 100
+    stop_after: int = 0  # end after this many steps of the `steps`-long schedule (0: all; a baseline's first steps)
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -102,6 +139,14 @@ class TrainSettings:
     guard_nonfinite: bool = True  # stop on a non-finite loss or gradient norm
     guard_grad_spike: float = 0.0  # stop when grad_norm > k x its running median (k > 1; 0: off)
     guard_min_tokens_per_s: float = 0.0  # stop when global tokens/s falls under this floor (0: off)
+    # Acceptance thresholds declared before the run (workbench.spec.acceptance), e.g.
+    # "tokens_per_s_per_gpu>=2000,step_time_error<=0.25"; kept in their canonical text.
+    accept: str = ""
+
+    @property
+    def steps_to_run(self) -> int:
+        """The steps the run trains: ``stop_after`` of the ``steps``-long schedule, or all of it."""
+        return self.stop_after or self.steps
 
     def __post_init__(self) -> None:
         # a profile given as a dict (read from JSON) or a path becomes the profile itself first
@@ -114,10 +159,17 @@ class TrainSettings:
         check_choice("recompute", self.recompute, RECOMPUTE)
         check_choice("attention", self.attention, ATTENTION)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        require(0 <= self.dropout_rate < 1, f"dropout_rate={self.dropout_rate} must be in [0, 1) (the fraction of "
+                "elements dropout zeroes)", field="dropout_rate", value=self.dropout_rate)
         for f in ("param_dtype", "grad_dtype", "optim_dtype", "compute_dtype"):
             check_choice(f, getattr(self, f), tuple(DTYPE_BYTES))
         if self.master_dtype is not None:
             check_choice("master_dtype", self.master_dtype, tuple(DTYPE_BYTES))
+        if self.fp8_recipe is not None:
+            check_choice("fp8_recipe", self.fp8_recipe, tuple(FLOAT8_RECIPES))
+            require(self.compute_dtype in ("bf16", "fp16"),
+                    f"fp8_recipe={self.fp8_recipe!r} needs a bf16 or fp16 compute_dtype (the dtype of everything "
+                    f"outside the FP8 GEMMs), not {self.compute_dtype!r}", field="fp8_recipe", value=self.fp8_recipe)
         # resolved once: the advisor reads it for every one of thousands of bills
         object.__setattr__(self, "_profile", resolve_framework(self.framework))
         if self.allocator_fragmentation is not None:
@@ -128,6 +180,9 @@ class TrainSettings:
                 field="allocator_fragmentation",
             )
         check_int("steps", self.steps, minimum=0, maximum=1 << 40)
+        check_int("stop_after", self.stop_after, minimum=0, maximum=1 << 40)
+        require(self.stop_after <= self.steps, f"stop_after={self.stop_after} exceeds steps={self.steps} (it ends "
+                "the run early within its schedule; 0: run every step)", field="stop_after", value=self.stop_after)
         check_positive("lr", self.lr)
         check_fraction("min_lr_ratio", self.min_lr_ratio)
         check_int("warmup_steps", self.warmup_steps, minimum=0, maximum=1 << 40)
@@ -140,6 +195,7 @@ class TrainSettings:
         if self.dataset in ("text", "bin"):
             require(bool(self.data_path), f"dataset={self.dataset!r} needs data_path", field="data_path")
         check_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        object.__setattr__(self, "accept", format_accept(parse_accept(self.accept)))
         require(isinstance(self.checkpoint_async, bool), f"checkpoint_async={self.checkpoint_async!r} must be true or false",
                 field="checkpoint_async", value=self.checkpoint_async)
         check_int("checkpoint_keep", self.checkpoint_keep, minimum=1)
@@ -177,6 +233,11 @@ class TrainSettings:
         """The preset name these dtypes match, or None for a custom mix."""
         mine = {k: getattr(self, k) for k in PRECISIONS["fp32"]}
         return next((n for n, p in PRECISIONS.items() if p == mine), None)
+
+    @property
+    def fp8(self) -> "Float8Recipe | None":
+        """The FP8 recipe of this job's block Linears (None: no FP8 GEMMs)."""
+        return float8_recipe(self.fp8_recipe)
 
     @property
     def profile(self) -> FrameworkProfile:
@@ -227,6 +288,12 @@ class RunConfig:
             train = replace(train, global_batch_size=train.micro_batch_size * plan.dp * m)
             object.__setattr__(self, "train", train)
         object.__setattr__(self, "plan", validate_plan(plan, self.model, self.cluster, train))
+        fp8 = train.fp8
+        gpu = self.cluster.gpu
+        require(fp8 is None or gpu.fp8_flops > 0,
+                f"fp8_recipe={train.fp8_recipe!r} runs the block GEMMs on FP8 tensor cores, which gpu={gpu.name} does "
+                f"not have (fp8_flops=0); choose a bf16 recipe, or a GPU with FP8 (H100, H200, L40S)",
+                field="fp8_recipe", value=train.fp8_recipe)
         m = self.model
         # A learned position table has max_seq_len rows: a longer sequence has no embedding. RoPE
         # has no table; a sequence past the trained context is a context extension (Llama 3.1
