@@ -3,7 +3,10 @@
 One session plans a tiny run (tiny model, pp=2 in the Mesh tab: one kernel, two ranks), launches
 that plan from the Launch tab (the start and the resume show what they are doing, with seconds), watches the loss curve and the measured pipeline bubble fill in, stops it, sees the
 status say "stopped", resumes it from its checkpoint (the resume marked on the curves), stops it
-again, then finds it in Compare runs with its predicted-vs-measured table.
+again, then finds it in Compare runs with its predicted-vs-measured table. The launch declares two
+acceptance thresholds (after a bad one is refused under its box): the stopped run's verdicts show
+one failing and one holding; then the naive baseline of the plan runs from its button, and
+Compare sets the plan beside it: their lineage, the baseline's label, both throughputs.
 Screenshots go to test-artifacts/screenshots/ (10-...).
 """
 
@@ -28,6 +31,22 @@ def set_field(page, label: str, value) -> None:
     box = page.get_by_label(label, exact=True).locator("visible=true")
     box.fill(str(value))
     box.press("Enter")
+
+
+def pick(page, which: int, name: str) -> None:
+    """Choose ``name`` in Compare's run A (0) or run B (1) selector."""
+    page.locator("select:visible").nth(which).select_option(label=name)
+
+
+def table_rows(page, testid: str) -> list[list[str]]:
+    """The cells of a table's rows, its header first."""
+    rows = page.get_by_test_id(testid).locator("visible=true").first.locator("tr")
+    return [[c.strip() for c in rows.nth(i).locator("td, th").all_inner_texts()] for i in range(rows.count())]
+
+
+def rows_of(page, testid: str) -> dict[str, list[str]]:
+    """A table's rows by their first cell: {first cell: [the other cells]}."""
+    return {cells[0]: cells[1:] for cells in table_rows(page, testid)}
 
 
 def test_launch_watch_stop_compare_in_the_browser(tmp_path):
@@ -58,6 +77,14 @@ def test_launch_watch_stop_compare_in_the_browser(tmp_path):
         wait_until(page, "launch-plan", lambda s: s == "pp=2 1f1b", timeout_s=20)
         set_field(page, "steps", 400)
         set_field(page, "checkpoint every", 5)
+        # a bad acceptance threshold: one line under its box naming the rule, and nothing starts
+        set_field(page, "Acceptance thresholds", "speed>=1")
+        page.get_by_role("button", name="Start").click()
+        bad = wait_until(page, "error-accept", lambda s: "speed" in s, timeout_s=20)
+        assert "'speed' is not one of tokens_per_s_per_gpu" in bad and "\n" not in bad
+        assert not any(tmp_path.iterdir())
+        # two that the run must fail and hold: the loss stays far above 0.01, no guard fires
+        set_field(page, "Acceptance thresholds", "final_loss<=0.01,guards_fired<=0")
         page.get_by_role("button", name="Start").click()
         # the start shows what it is doing and for how long, until the ranks' first step
         progress = wait_until(page, "launch-progress", lambda s: re.fullmatch(
@@ -65,6 +92,8 @@ def test_launch_watch_stop_compare_in_the_browser(tmp_path):
             timeout_s=30)
         print(f"\nlaunch progress: {progress}")
         wait_until(page, "run-state", lambda s: s == "running", timeout_s=60)
+        plan_id = re.fullmatch(r"Launched (\S+)\.", text_of(page, "launch-message")).group(1)
+        assert page.get_by_test_id("run-acceptance").count() == 0  # judged once the run has ended
         screenshot(page, "10-launch-running-status-per-rank")
         table = page.get_by_test_id("rank-status").locator("visible=true")
         assert table.locator("tr").count() == 3  # header + ranks 0, 1
@@ -119,15 +148,55 @@ def test_launch_watch_stop_compare_in_the_browser(tmp_path):
         tab(page, "6 · Launch")
         page.get_by_role("button", name="Stop").click()
         wait_until(page, "run-state", lambda s: s == "stopped", timeout_s=40)
+        t_records = time.monotonic()
 
-        # 8: the run is in Compare runs, with its predicted-vs-measured table
+        # the ended run's verdicts under its status: the loss threshold fails, the guards' holds
+        head = wait_until(page, "run-acceptance-head", lambda s: s.startswith("acceptance"), timeout_s=20)
+        assert head == "acceptance: FAILED 1 of 2 declared thresholds", head
+        verdicts = rows_of(page, "run-acceptance")
+        assert verdicts["fail"][0] == "final_loss<=0.01" and float(verdicts["fail"][1]) > 1.0
+        assert verdicts["pass"][:2] == ["guards_fired<=0", "0"]
+        screenshot(page, "16-launch-acceptance-verdicts-of-the-stopped-run")
+
+        # its naive baseline, from its button: plain data parallel over the same 2 ranks, 20 steps
+        page.get_by_role("button", name="Run the naive baseline").click()
+        launched = wait_until(page, "launch-message", lambda s: "the naive baseline of" in s, timeout_s=60)
+        base_id = re.match(r"Launched (\S+): the naive baseline of (\S+) \(pp=2 1f1b\), dp_shard=2", launched)
+        assert base_id and base_id.group(2) == plan_id, launched
+        base_id = base_id.group(1)
+        assert "for the first 20 of its 400 steps" in launched
+        wait_until(page, "run-state", lambda s: s == "finished", timeout_s=120)
+        steps_run = [r[4] for r in table_rows(page, "rank-status")[1:]]  # node, host, rank, state, step
+        print(f"baseline {base_id}: finished after {steps_run} steps in {time.monotonic() - t_records:.1f} s")
+
+        # 8: the plan beside its baseline: the same inputs, the baseline labelled, both throughputs
         tab(page, "8 · Compare")
         page.get_by_role("button", name="Refresh list").click()
-        table_b = page.get_by_test_id("compare-table-b").locator("visible=true")
-        table_b.wait_for(timeout=30_000)
-        assert "bubble fraction" in table_b.inner_text()
-        assert re.search(r"parameters", table_b.inner_text())
+        pick(page, 0, plan_id)
+        pick(page, 1, base_id)
+        lineage = wait_until(page, "compare-lineage", lambda s: s.startswith("Lineage"), timeout_s=30)
+        if "same data, model, code, packages, cluster and profile" not in lineage:
+            # another checkout's edits between the two launches change the code's state only
+            lines = [line for line in lineage.splitlines()[1:] if line.strip()]
+            assert lines and all(line.startswith("code.") for line in lines), lineage
+        summary = rows_of(page, "compare-summary")
+        assert summary["plan"][0] == "pp=2 1f1b" and summary["plan"][1].startswith("dp_shard=2")
+        assert "(naive baseline of " in summary["plan"][1] and "pp=2 1f1b" in summary["plan"][1], summary["plan"]
+        throughputs = [float(x.replace(",", "")) for x in summary["tokens/s per GPU"]]
+        assert len(throughputs) == 2 and all(x > 0 for x in throughputs), summary["tokens/s per GPU"]
+        assert summary["ranks"] == ["2", "2"]
+        assert "final_loss<=0.01" in text_of(page, "compare-acceptance-a")
+        assert page.get_by_test_id("compare-acceptance-b").count() == 0  # the baseline declares none
+        print(f"plan {plan_id} beside its baseline: tokens/s per GPU {throughputs}; "
+              f"records {time.monotonic() - t_records:.1f} s")
+        screenshot(page, "17-compare-plan-beside-its-naive-baseline")
+
+        # and the plan's predicted-vs-measured table
+        table_a = page.get_by_test_id("compare-table-a").locator("visible=true")
+        table_a.wait_for(timeout=30_000)
+        assert "bubble fraction" in table_a.inner_text()
+        assert re.search(r"parameters", table_a.inner_text())
         screenshot(page, "15-compare-runs-predicted-vs-measured")
         assert not errors, errors
         assert not off.blocked, f"the page requested outside 127.0.0.1: {sorted(set(off.blocked))}"
-    assert time.monotonic() - t0 < 180
+    assert time.monotonic() - t0 < 240  # about 30 s of it the records: verdicts, the 20-step baseline, Compare

@@ -121,7 +121,7 @@ def test_mesh_warns_about_tp_across_nodes():
 @pytest.mark.multiprocess  # the CLI in a subprocess
 def test_train_refuses_what_the_trainer_cannot_run_before_starting(tmp_path):
     for args, message in [
-        (["train", "--model", "tiny-moe", "--plan", "tp=2"], "error: tp=2 with MoE layers"),
+        (["train", "--model", "deepseek-v3", "--plan", "tp=2"], "error: n_mtp_layers=1: the bundled trainer trains"),
         (["train", "--model", "tiny", "--plan", "tp=3"], "error: tp=3 does not divide n_heads=4"),
         (["train", "--model", "tiny", "--plan", "pp=8"], "error: pp x virtual_stages = 8 x 1 = 8 exceeds n_layers=4"),
     ]:

@@ -117,8 +117,9 @@ def test_a_plan_this_machine_cannot_train_is_refused_in_one_line_per_reason():
     assert [b.field for b in blockers(big, backend="ssh", gpus=0)] == ["peak memory"]  # the GPUs are elsewhere
     on_cpu = blockers(plan_config(dict(model=ModelSpec.preset("llama3-8b"))))
     assert on_cpu[0].field == "model" and ModelSpec.preset("llama3-8b").n_params() > CPU_MAX_PARAMS
-    moe_tp = blockers(plan_config(dict(model=ModelSpec.preset("tiny-moe"), tp=2)))
-    assert [b.field for b in moe_tp] == ["plan"] and "MoE" in moe_tp[0].rule  # the trainer's own limits
+    assert blockers(plan_config(dict(model=ModelSpec.preset("tiny-moe"), tp=2))) == []  # experts split by TP
+    mtp = blockers(plan_config(dict(model=replace(ModelSpec.preset("tiny-mla"), n_mtp_layers=1))))
+    assert [b.field for b in mtp] == ["plan"] and "multi-token prediction" in mtp[0].rule  # the trainer's own limits
 
 
 def test_offers_are_plans_that_run_and_apply_only_when_asked():

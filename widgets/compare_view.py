@@ -8,6 +8,13 @@ dashed, so that the same run picked twice still shows both). A resumed run's cur
 it stands: the steps its lost attempt ran past the checkpoint are left out, as in the live view.
 Each table says how its measured numbers are taken (the "how measured" column) and heads with
 how the run ended (:func:`workbench.rundir.status.run_outcome`).
+
+Above the tables, with two runs picked, their experiment records
+(:func:`workbench.rundir.runs_compare.compare_runs`, as ``workbench compare A B`` prints them):
+first what differs in their lineages (data, model, code, packages, cluster, profile), so that a
+difference in the numbers below is read knowing whether the runs differ by more than their plans;
+then their summaries side by side (a naive baseline is labelled as the baseline of its plan) and
+each run's declared acceptance thresholds with their verdicts.
 """
 
 from __future__ import annotations
@@ -20,13 +27,16 @@ import param
 from bokeh.models import ColumnDataSource, HoverTool
 from bokeh.plotting import figure
 
+from workbench.rundir.acceptance import ThresholdResult, format_results
 from workbench.rundir.compare import compare_run
+from workbench.rundir.runs_compare import compare_runs
 from workbench.rundir import read_events
 from workbench.rundir.tail import list_runs
 
 from widgets.markup import Html, concat, render
 from widgets.run_session import RunSession, session_of
-from widgets.run_transforms import comparison_rows, run_step_rows
+from widgets.run_transforms import (SAME_LINEAGE, acceptance_rows, comparison_rows, lineage_lines,
+                                    run_step_rows, summary_rows)
 from widgets.state import PlanState
 from widgets.icons import icon
 from widgets.ui import error_line, html_pane, muted, table
@@ -34,6 +44,43 @@ from widgets.ui import error_line, html_pane, muted, table
 COLORS = ("#0072B2", "#D55E00")
 DASHES = ("solid", "dashed")
 NONE = "(none)"  # the label of "no run" in the selectors
+STATUS_COLORS = {"pass": "#2e7d32", "fail": "#c62828"}  # "not measured": the text's own grey
+
+
+def verdict_table(verdicts: list[ThresholdResult], testid: str, ended: bool = True) -> Html:
+    """Declared acceptance thresholds and their verdicts: a heading as the CLI's
+    (:func:`~workbench.rundir.acceptance.format_results`), then status, threshold, measured and how
+    it was measured; nothing when the run declared none."""
+    if not verdicts:
+        return Html("")
+    rows = [[render('<span style="color:{};font-weight:600">{}</span>', STATUS_COLORS.get(r["status"], "#5a6570"),
+                    r["status"]), r["threshold"], r["measured"], r["how"]] for r in acceptance_rows(verdicts)]
+    return (muted(format_results(verdicts, ended)[0], f"{testid}-head")
+            + table(["status", "threshold", "measured", "how measured"], rows, testid=testid, numeric=(2,)))
+
+
+def records_html(a: Path, b: Path) -> Html:
+    """Two runs' experiment records: lineage differences, summaries side by side, acceptance."""
+    try:
+        comp = compare_runs(a, b)
+    except Exception as err:  # noqa: BLE001 - an unfinished or foreign directory: say so
+        return error_line(f"{a.name} against {b.name}: {err}", "compare-records-error")
+    lines = lineage_lines(comp)
+    same = lines == [SAME_LINEAGE]
+    if same:
+        lineage = muted(f"Lineage: {SAME_LINEAGE}.", "compare-lineage")
+    else:
+        n = len(comp.lineage)
+        head = (f"Lineage: {n} difference{'s' if n != 1 else ''}: the runs differ by more than their plans"
+                if n else "Lineage: unknown")
+        lineage = render('<div data-testid="compare-lineage">{}{}</div>', render("<b>{}</b>", head),
+                         concat(*(error_line(line, "compare-lineage-line") for line in lines)))
+    summary = table(["", f"A: {a.name}", f"B: {b.name}"], summary_rows(comp), testid="compare-summary",
+                    numeric=(1, 2))
+    verdicts = concat(*(render("<div><b>{}</b>{}</div>", f"Acceptance of {tag} ({s.label})",
+                               verdict_table(s.acceptance, f"compare-acceptance-{tag.lower()}"))
+                        for tag, s in (("A", comp.a), ("B", comp.b)) if s.acceptance))
+    return lineage + summary + verdicts
 
 
 def comparison_html(run_dir: Path, testid: str) -> Html:
@@ -72,6 +119,7 @@ class CompareView(pn.viewable.Viewer):
         self.figure.add_tools(HoverTool(tooltips=[("step", "@step"), ("value", "@y{0.0000}")]))
         self.figure.legend.location = "top_right"
         self._tables = [html_pane("", sizing_mode="stretch_width"), html_pane("", sizing_mode="stretch_width")]
+        self._records = html_pane("", margin=(4, 10), sizing_mode="stretch_width")
         self._refresh_btn = pn.widgets.Button(label="Refresh list", icon=icon("refresh"), margin=(22, 5, 0, 10))
         self._refresh_btn.on_click(lambda _e: self.refresh_runs())
         self._open = [pn.widgets.Button(label=f"Replay {n}", margin=(22, 5, 0, 5),
@@ -116,11 +164,27 @@ class CompareView(pn.viewable.Viewer):
         if not self._refreshing:
             self._draw(1)
 
+    @param.depends("run_a", "run_b", watch=True)
+    def _show_pair(self) -> None:  # once per change of the pair, however many of the two changed
+        if not self._refreshing:
+            self._show_records()
+
     @param.depends("metric", watch=True)
-    def show(self) -> None:
-        """Draw both selections (whole files: a finished run is read once)."""
+    def _show_metric(self) -> None:
         for i in (0, 1):
             self._draw(i)
+
+    def show(self) -> None:
+        """Draw both selections (whole files: a finished run is read once) and their records."""
+        self._show_metric()
+        self._show_records()
+
+    def _show_records(self) -> None:
+        """The two runs' records above the tables (nothing unless both are picked)."""
+        if not (self.run_a and self.run_b):
+            self._records.object = ""
+            return
+        self._records.object = records_html(self._path(self.run_a), self._path(self.run_b))
 
     def _draw(self, i: int) -> None:
         """Run ``i`` (0: A, 1: B): its curve and its table, or nothing when none is selected."""
@@ -162,6 +226,7 @@ class CompareView(pn.viewable.Viewer):
                        self._refresh_btn, *self._open),
                 self._message,
                 pn.pane.Bokeh(self.figure),
+                self._records,
                 pn.Row(*self._tables, sizing_mode="stretch_width"),
                 sizing_mode="stretch_width",
             )

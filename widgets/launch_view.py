@@ -2,7 +2,8 @@
 
 What starts is the shared current plan (``PlanState.config``, set in the planning tabs: model,
 cluster, degrees, batch, precision) with the trainer's own knobs added here (steps, checkpoint
-interval): :func:`launch_config`. The browser launches only the bundled trainer, with that
+interval, the acceptance thresholds declared before the run: ``TrainSettings.accept``):
+:func:`launch_config`. The browser launches only the bundled trainer, with that
 validated RunConfig, never a command line. The backend is where the nodes run: ``local``
 (Jupyter kernels on this machine), ``ssh`` (kernels on the listed hosts), ``gateway`` (a Jupyter
 Enterprise/Kernel Gateway: URL and token) or ``slurm`` (an allocation: partition, account, time
@@ -15,6 +16,13 @@ the CPU trainer, a bill that does not fit, a layout the trainer does not impleme
 plans that can run (the same plan on the tiny model, on local-cpu), and one applies only when
 pressed. The export (:mod:`widgets.plan_export`) shows the ``workbench`` lines and the RunConfig
 JSON of exactly what Start runs, to copy or download.
+
+Once a plan has been launched, "Run the naive baseline" launches its baseline
+(:func:`workbench.launch.baseline.baseline_config`: plain data parallel over the same ranks, the
+same model, data and global batch, the first steps of its schedule) on the same backend, recorded
+in the baseline's manifest as the baseline of that run, so that 8 · Compare labels it; a baseline
+that cannot run says why in one line and nothing starts. An ended run's declared thresholds are
+judged (:func:`workbench.rundir.acceptance.evaluate_acceptance`) and shown under its status.
 
 Launching, stopping and resuming take seconds (kernels start, torchrun stops): they run in a
 worker thread, with a spinner and a line saying what is happening and for how long, so the page
@@ -36,11 +44,15 @@ import param
 
 from workbench import ConfigError, ModelSpec, RunConfig, estimate_memory
 from workbench.launch import launch
+from workbench.launch.baseline import BASELINE_STEPS, baseline_config
 from workbench.launch.handle import BACKENDS
 from workbench.launch.local import config_from_cli
 from workbench.launch.slurm_options import SlurmRequest
+from workbench.rundir.acceptance import evaluate_acceptance
+from workbench.spec.acceptance import METRICS as ACCEPT_METRICS
 from workbench.spec.trainable import check_trainable, unsupported
 
+from widgets.compare_view import verdict_table
 from widgets.icons import icon
 from widgets.markup import Html, concat, render
 from widgets.plan_export import JSON_NAME, config_json, export_text, memory_line, train_line, warmup_for
@@ -57,7 +69,8 @@ SMALL_MODEL = "tiny"
 MAX_OFFERED_CPU_RANKS = 8  # an offer starts no more processes than a laptop runs comfortably
 MAX_OFFERS = 2
 SLURM_FIELDS = ("partition", "account", "time_limit", "extra_sbatch")
-OWN_FIELDS = ("steps", "checkpoint_every", "hosts", "url", *SLURM_FIELDS)  # the fields of this tab
+OWN_FIELDS = ("steps", "checkpoint_every", "accept", "hosts", "url", *SLURM_FIELDS)  # the fields of this tab
+ACCEPT_EXAMPLE = "tokens_per_s_per_gpu>=2000,step_time_error<=0.25"
 PRE_STYLE = ("background:#f6f8fa;border:1px solid #d8dee6;border-radius:6px;padding:6px 10px;font-size:12px;"
              "white-space:pre-wrap;overflow-wrap:anywhere;max-height:260px;overflow:auto;margin:2px 0 8px 0;"
              "user-select:text")
@@ -97,14 +110,16 @@ def check_trainer_knobs(**values: Any) -> None:
             raise ConfigError(f"{name}={v} must be an integer >= {lows[name]}", field=name, value=v)
 
 
-def launch_config(plan: RunConfig, steps: int, checkpoint_every: int = 0) -> RunConfig:
+def launch_config(plan: RunConfig, steps: int, checkpoint_every: int = 0, accept: str = "") -> RunConfig:
     """The current plan with the trainer's knobs: ``steps``, the warm-up ``workbench train`` gives
-    them, ``checkpoint_every``. Everything else (model, cluster, degrees, batch, precision,
+    them, ``checkpoint_every``, and the acceptance thresholds ``accept``
+    (:func:`workbench.spec.acceptance.parse_accept`: a bad one is a ConfigError with field
+    "accept" naming the rule). Everything else (model, cluster, degrees, batch, precision,
     framework) is the plan's."""
     check_trainer_knobs(steps=steps, checkpoint_every=checkpoint_every)
     steps, every = int(steps), int(checkpoint_every)
     return plan.replace(train=replace(plan.train, steps=steps, warmup_steps=warmup_for(steps),
-                                      checkpoint_every=every))
+                                      checkpoint_every=every, accept=(accept or "").strip()))
 
 
 # ---------------------------------------------------------------------------- can it train here
@@ -243,19 +258,32 @@ def slurm_options(partition: str, account: str, time_limit: str, extra_sbatch: s
     return request.to_dict()
 
 
-def status_html(status: Any, run_dir: str, replay: bool, digest_note: str = "") -> Html:
-    """Run state card and the per-rank table (a replayed directory has no live status)."""
+def status_html(status: Any, run_dir: str, replay: bool, digest_note: str = "", verdicts: Html = Html("")) -> Html:
+    """Run state card and the per-rank table (a replayed directory has no live status), then the
+    verdicts of its acceptance thresholds once it has ended (:func:`acceptance_html`)."""
     if status is None:
         if not run_dir:
             return muted("No run yet.")
         return cards([card("Run", "replay", "run-state", note=run_dir)]) + (
-            muted(digest_note) if digest_note else Html(""))
+            muted(digest_note) if digest_note else Html("")) + verdicts
     head = cards([card("Run", status.state, "run-state", note=run_dir, tone=STATE_TONES.get(status.state, ""))])
     why = error_line(status.why, "run-why") if status.why else Html("")
     rows = [[r["node"], r["host"], r["rank"], r["state"], r["step"], r["loss"], r["events"], r["why"]]
             for r in status_rows(status)]
     return head + why + table(["node", "host", "rank", "state", "step", "loss", "events", "why"], rows,
-                              testid="rank-status", numeric=(0, 2, 4, 5, 6))
+                              testid="rank-status", numeric=(0, 2, 4, 5, 6)) + verdicts
+
+
+def acceptance_html(run_dir: str) -> tuple[Html, bool]:
+    """(the verdicts of the run's declared thresholds once it has ended, whether it has): a table
+    of status, threshold and measured value; nothing while it runs or when it declared none."""
+    try:
+        verdicts, ended = evaluate_acceptance(run_dir)
+    except Exception as err:  # noqa: BLE001 - a damaged run directory: said, the view keeps working
+        return error_line(f"acceptance thresholds not judged: {err}", "run-acceptance-error"), True
+    if not ended:
+        return Html(""), False
+    return verdict_table(verdicts, "run-acceptance", ended), True
 
 
 def plan_html(config: RunConfig | None, error: str) -> Html:
@@ -284,6 +312,12 @@ def verdict_html(config: RunConfig | None, error: str, found: list[Blocker]) -> 
                      f"{config.cluster.nodes} node{'s' if config.cluster.nodes > 1 else ''}.", "launch-ok")
     lines = [reason_line(b.line(), "launch-blocked" + (f"-{i}" if i else "")) for i, b in enumerate(found)]
     return concat(render('<div class="wb-muted">{}</div>', "This machine cannot train the current plan:"), *lines)
+
+
+def baseline_record(baseline_of: dict[str, Any]) -> dict[str, Any]:
+    """The keyword of :func:`workbench.launch.handle.launch` that records ``baseline_of`` in the
+    run's manifest (``create_run_dir``'s ``manifest_extra``)."""
+    return {"manifest_extra": {"baseline_of": baseline_of}}
 
 
 def reason_line(text: str, testid: str) -> Html:
@@ -324,6 +358,8 @@ class LaunchView(pn.viewable.Viewer):
     extra_sbatch = param.String(default="", doc="slurm: further --option=value items, whitespace-separated")
     steps = param.Integer(default=40, allow_None=True)
     checkpoint_every = param.Integer(default=0, allow_None=True)
+    accept = param.String(default="", doc="Acceptance thresholds declared before the run (TrainSettings.accept), "
+                          "e.g. " + ACCEPT_EXAMPLE)
     gpus = param.Integer(default=None, allow_None=True, doc="This machine's GPUs (None: look)")
 
     def __init__(self, state: PlanState | None = None, session: RunSession | None = None, **params: Any):
@@ -341,15 +377,25 @@ class LaunchView(pn.viewable.Viewer):
             self._errors.wrap("steps", pn.widgets.IntInput.from_param(p.steps, label="steps", width=90, start=1)),
             self._errors.wrap("checkpoint_every", pn.widgets.IntInput.from_param(
                 p.checkpoint_every, label="checkpoint every", width=120, start=0)),
+            self._errors.wrap("accept", pn.widgets.TextInput.from_param(
+                p.accept, label="Acceptance thresholds", placeholder=ACCEPT_EXAMPLE, width=340,
+                description="metric>=value or metric<=value, comma-separated; judged when the run ends "
+                            "(metrics: " + ", ".join(ACCEPT_METRICS) + ")")),
         ]
         self._start = pn.widgets.Button(label="Start", color="primary", icon=icon("play"), margin=(22, 5, 0, 10))
         self._stop = pn.widgets.Button(label="Stop", color="danger", icon=icon("stop"), margin=(22, 5, 0, 5),
                                        disabled=True)
         self._resume = pn.widgets.Button(label="Resume", color="success", icon=icon("resume"),
                                          margin=(22, 5, 0, 5), disabled=True)
+        self._baseline = pn.widgets.Button(
+            label="Run the naive baseline", color="primary", variant="outline", icon=icon("play"),
+            margin=(22, 5, 0, 5), disabled=True,
+            description=f"The plan launched here as plain data parallel over the same ranks (the same model, data "
+                        f"and global batch, the first {BASELINE_STEPS} steps of its schedule), on the same backend")
         self._start.on_click(self._on_start)
         self._stop.on_click(self._on_stop)
         self._resume.on_click(self._on_resume)
+        self._baseline.on_click(self._on_baseline)
         self._plan = html_pane("", margin=(0, 10), sizing_mode="stretch_width")
         self._verdict = html_pane("", margin=(0, 10), sizing_mode="stretch_width")
         # made once and relabelled: a widget made in a callback links Panel's CSS from its CDN
@@ -372,6 +418,11 @@ class LaunchView(pn.viewable.Viewer):
                                                     margin=(4, 10))
         # launched or resumed, waiting for the ranks' first step: (what, since when)
         self._waiting: tuple[str, float] | None = None
+        # the plan last launched by Start (its RunHandle) and where: what the baseline button baselines
+        self._planned: Any = None
+        self._planned_on: tuple[str, dict[str, Any]] = ("local", {})
+        # the shown run's acceptance verdicts once it has ended (judged again only when events arrive)
+        self._verdicts: tuple[str, Html] | None = None
         self.session.on_events(self._refresh)
         self.state.param.watch(self._show_plan, ["config", "error"])
         self._layout = None
@@ -400,7 +451,7 @@ class LaunchView(pn.viewable.Viewer):
         config = self.state.config
         if config is None:
             raise ConfigError(f"the current plan is invalid: {self.state.error}", field=self.state.error_field or None)
-        return launch_config(config, self.steps, self.checkpoint_every)
+        return launch_config(config, self.steps, self.checkpoint_every, self.accept)
 
     def blockers(self) -> list[Blocker]:
         return blockers(self.state.config, self.backend, self.gpus) if self.state.config is not None else []
@@ -416,7 +467,7 @@ class LaunchView(pn.viewable.Viewer):
                                        account=self.account, time_limit=self.time_limit,
                                        extra_sbatch=self.extra_sbatch)
 
-    @param.depends("backend", "steps", "checkpoint_every", "gpus", watch=True)
+    @param.depends("backend", "steps", "checkpoint_every", "accept", "gpus", watch=True)
     def _show_plan(self, *_: Any) -> None:
         config, error = self.state.config, self.state.error
         self._plan.object = plan_html(config, error)
@@ -507,6 +558,44 @@ class LaunchView(pn.viewable.Viewer):
             return
         self._waiting = ("Kernels started; waiting for the ranks' first step", since)
         self._message.object = muted(f"Launched {run.run_id}.", "launch-message")
+        self._planned, self._planned_on = run, (self.backend, options)
+        self.session.attach(run)
+
+    async def _on_baseline(self, _event: Any = None) -> None:
+        """Launch the naive baseline of the plan last launched here, on the same backend; a
+        baseline that cannot run (ConfigError) is one line, and nothing starts."""
+        self._errors.show(None, None)
+        self._message.object = ""
+        planned = self._planned
+        if planned is None:
+            return
+        backend, options = self._planned_on
+        of = {"plan": planned.config.plan.describe(), "run_id": planned.run_id}
+        try:
+            config = baseline_config(planned.config)
+        except ConfigError as err:
+            self._message.object = reason_line(f"No baseline: {err}", "baseline-error")
+            return
+        self._start.disabled = self._baseline.disabled = True
+        since = time.monotonic()
+        try:
+            run = await self._in_thread(f"Starting the naive baseline of {of['plan']} ({config.plan.describe()}, "
+                                        f"{config.world_size} ranks)", launch, config, backend,
+                                        run_root=self.session.runs_root, **baseline_record(of), **options)
+        except ConfigError as err:  # refused before anything started (the launcher's checks)
+            self._hide_progress()
+            self._message.object = reason_line(f"No baseline: {err}", "baseline-error")
+            self._start.disabled = self._baseline.disabled = False
+            return
+        except Exception as err:  # noqa: BLE001 - shown plainly, the app keeps working
+            self._hide_progress()
+            self._fail(err)
+            self._start.disabled = self._baseline.disabled = False
+            return
+        self._waiting = ("Kernels started; waiting for the baseline's first step", since)
+        self._message.object = muted(
+            f"Launched {run.run_id}: the naive baseline of {of['run_id']} ({of['plan']}), {config.plan.describe()} "
+            f"for the first {config.train.stop_after} of its {config.train.steps} steps.", "launch-message")
         self.session.attach(run)
 
     async def _on_stop(self, _event: Any = None) -> None:
@@ -541,18 +630,38 @@ class LaunchView(pn.viewable.Viewer):
 
     # ---- refresh
     def _refresh(self, new: list, status: Any) -> None:  # after each poll of the session
-        self._status.object = status_html(status, self.session.run_dir, self.session.replay)
         running = status is not None and status.state in ("starting", "running")
         ended = status is not None and not running
+        self._status.object = status_html(status, self.session.run_dir, self.session.replay,
+                                          verdicts=self._judged(new, status))
         self._start.disabled = running
         self._stop.disabled = not running
         self._resume.disabled = not ended or self.session.run is None
+        self._baseline.disabled = running or self._planned is None
         if self._waiting is not None:
             if ended or any(e.get("kind") == "step" for e in new):
                 self._waiting = None
                 self._hide_progress()
             else:
                 self._show_progress(*self._waiting)
+
+    def _judged(self, new: list, status: Any) -> Html:
+        """The shown run's acceptance verdicts once it has ended (:func:`acceptance_html`), judged
+        again only when events arrive: a launched run once its status says it ended, a replayed one
+        (which may be running elsewhere) once a poll brings no new events."""
+        run_dir, config = self.session.run_dir, self.session.config
+        if not run_dir or config is None or not config.train.accept or (
+                status is not None and status.state in ("starting", "running")):
+            self._verdicts = None
+            return Html("")
+        if self._verdicts is not None and self._verdicts[0] == run_dir and not new:
+            return self._verdicts[1]
+        if status is None and new:
+            self._verdicts = None
+            return Html("")
+        verdicts, ended = acceptance_html(run_dir)
+        self._verdicts = (run_dir, verdicts if ended else Html(""))
+        return self._verdicts[1]
 
     def panel(self) -> pn.viewable.Viewable:
         if self._layout is None:
@@ -565,7 +674,7 @@ class LaunchView(pn.viewable.Viewer):
                 # a FlexBox: the slurm boxes wrap onto a second line rather than run off a narrow page
                 pn.FlexBox(pn.pane.Markdown("**Backend**", margin=(26, 0, 0, 10)), self._backend,
                            self._hosts, self._url, self._token, *self._slurm),
-                pn.FlexBox(*self._fields, self._start, self._stop, self._resume),
+                pn.FlexBox(*self._fields, self._start, self._stop, self._resume, self._baseline),
                 self._errors.general,
                 pn.Row(self._spinner, self._progress),
                 self._message,

@@ -40,14 +40,14 @@ DEGREE_FLAGS = {"tp": "--tp", "pp": "--pp", "cp": "--cp", "ep": "--ep", "dp_repl
 TRAIN_CLI_DEFAULTS = {"seq_len": 64, "micro_batch_size": 2}
 TRAIN_FLAGS = {"seq_len": "--seq", "micro_batch_size": "--mbs", "global_batch_size": "--gbs", "lr": "--lr",
                "seed": "--seed", "dataset": "--dataset", "data_path": "--data-path",
-               "checkpoint_every": "--checkpoint-every", "checkpoint_keep": "--checkpoint-keep"}
+               "checkpoint_every": "--checkpoint-every", "checkpoint_keep": "--checkpoint-keep", "accept": "--accept"}
 TRAIN_SWITCHES = {"deterministic": "--deterministic", "checkpoint_async": "--checkpoint-async"}
 # TrainSettings fields `workbench train` has no option for: they must be the fp32 CPU run's
 TRAIN_FIXED = ("recompute", "attention", "dropout", "optimizer", "framework", "allocator_fragmentation",
                "min_lr_ratio", "weight_decay", "betas", "grad_clip", "moe_aux_loss_coeff",
                "moe_capacity_factor", "instrument", "guard_nonfinite", "guard_grad_spike",
                "guard_min_tokens_per_s", "param_dtype", "grad_dtype", "master_dtype", "optim_dtype",
-               "compute_dtype")
+               "compute_dtype", "dropout_rate", "stop_after", "fp8_recipe")
 JSON_NAME = "plan.json"
 
 
@@ -231,7 +231,7 @@ def config_of_train_argv(argv: list[str] | tuple[str, ...]) -> RunConfig:
     """The RunConfig ``workbench train`` builds from :func:`train_argv`'s options (config_from_cli
     with the options given)."""
     opts = _options(argv[2:], switches=set(TRAIN_SWITCHES.values()))
-    kinds = {"lr": float, "dataset": str, "data_path": str}
+    kinds = {"lr": float, "dataset": str, "data_path": str, "accept": str}
     given: dict[str, Any] = {f: kinds.get(f, int)(opts[flag]) for f, flag in TRAIN_FLAGS.items() if flag in opts}
     given.update({f: True for f, flag in TRAIN_SWITCHES.items() if flag in opts})
     return config_from_cli(opts["--model"], opts.get("--plan", ""), int(opts["--steps"]), **given)

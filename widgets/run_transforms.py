@@ -14,12 +14,14 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from workbench import RunConfig, estimate_memory
 from workbench.predict.comms import BUS_FACTOR, collective_time, group_shape
+from workbench.rundir.acceptance import ThresholdResult
 from workbench.rundir.compare import Comparison, format_error, format_value
 from workbench.rundir.events import event_order
+from workbench.rundir.runs_compare import RunsComparison, RunSummary
 from workbench.rundir.status import OutcomeTracker, RunOutcome, run_outcome
 
 Event = Mapping[str, Any]
@@ -592,6 +594,8 @@ def _compact_memory(mem: list[Event]) -> list[Event]:
 
 # --------------------------------------------------------------------------- comparing, bandwidth
 
+SAME_LINEAGE = "same data, model, code, packages, cluster and profile"
+
 
 def comparison_rows(comparison: Comparison) -> list[dict[str, Any]]:
     """A :class:`workbench.rundir.compare.Comparison` as rows with formatted numbers."""
@@ -599,6 +603,49 @@ def comparison_rows(comparison: Comparison) -> list[dict[str, Any]]:
     return [{"section": r.section, "name": r.name, "rank": r.rank, "predicted": format_value(r.predicted, r.unit),
              "measured": format_value(r.measured, r.unit), "error": format_error(r), "how": r.how}
             for r in comparison.rows]
+
+
+def acceptance_rows(verdicts: Sequence[ThresholdResult]) -> list[dict[str, str]]:
+    """:class:`~workbench.rundir.acceptance.ThresholdResult` verdicts as rows: status ("pass",
+    "fail", "not measured"), the threshold as declared, the measured value (4 significant
+    digits, "-" when not measured) and how it was measured."""
+    return [{"status": v.status, "threshold": str(v.threshold),
+             "measured": "-" if v.measured is None else f"{v.measured:.4g}", "how": v.how} for v in verdicts]
+
+
+def lineage_lines(comparison: RunsComparison) -> list[str]:
+    """What differs between the inputs of two runs (:class:`~workbench.rundir.runs_compare.RunsComparison`),
+    one line per differing lineage leaf ("data.sha256: 3f2a... -> 9c1b..."), then its notes (a run
+    without a lineage); :data:`SAME_LINEAGE` alone when the two have the same inputs."""
+    lines = [d.describe() for d in comparison.lineage] + list(comparison.notes)
+    return lines or [SAME_LINEAGE]
+
+
+def summary_rows(comparison: RunsComparison) -> list[list[str]]:
+    """Two runs' summaries side by side, as rows ``[quantity, A, B]`` formatted as the
+    predicted-vs-measured tables format them (:func:`workbench.rundir.compare.format_value`); the
+    last row is the largest relative loss difference over the steps both ran (|A - B| / B), in A's
+    column."""
+    a, b = comparison.a, comparison.b
+
+    def both(fn: Callable[[RunSummary], str]) -> tuple[str, str]:
+        return fn(a), fn(b)
+
+    def loss(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4f}"
+
+    rows = [["plan", *both(lambda s: s.label)],
+            ["ranks", *both(lambda s: str(s.world_size))],
+            ["steps", *both(lambda s: str(s.steps))],
+            ["step time (median)", *both(lambda s: format_value(s.step_time_s, "s"))],
+            ["tokens/s per GPU", *both(lambda s: format_value(s.tokens_per_s_per_gpu, ""))],
+            ["memory, most loaded rank", *both(lambda s: format_value(s.memory_bytes, "B"))],
+            ["final loss", *both(lambda s: loss(s.final_loss))]]
+    diff = comparison.loss_diff
+    common = len(comparison.common_steps)
+    rows.append([f"loss: max relative difference over the {common} step{'s' if common != 1 else ''} both ran",
+                 "-" if diff is None else f"{diff:.2e}", ""])
+    return rows
 
 
 def bandwidth_series(results: Any) -> list[dict[str, Any]]:
