@@ -64,6 +64,26 @@ def test_lineage_names_the_framework_profile(tmp_path):
         ("bundled", "megatron")
 
 
+def test_lineage_names_the_hf_config_a_model_came_from(tmp_path):
+    """``workbench train --hf-config``: the file's path and SHA-256; another file with the same
+    model is the same spec (the same spec hash) from another source."""
+    import hashlib
+
+    from workbench.launch.local import config_from_cli
+
+    hf = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "intermediate_size": 176, "vocab_size": 256, "max_position_embeddings": 256}
+    a_file, b_file = tmp_path / "a.json", tmp_path / "b.json"
+    a_file.write_text(json.dumps(hf))
+    b_file.write_text(json.dumps(hf, indent=2))  # the same model, other bytes
+    a = create_run_dir(config_from_cli("tiny", "", 3, hf_config=str(a_file)), tmp_path / "runs", "a", hf_config=a_file)
+    b = create_run_dir(config_from_cli("tiny", "", 3, hf_config=str(b_file)), tmp_path / "runs", "b", hf_config=b_file)
+    model = read_lineage(a)["model"]
+    assert model["source"] == "hf_config" and model["path"] == str(a_file.resolve())
+    assert model["sha256"] == hashlib.sha256(a_file.read_bytes()).hexdigest()
+    assert lineage_keys(a, b) == {"model.path", "model.sha256"}  # spec_sha256 equal: the same model
+
+
 def test_lineage_of_every_input_is_there_before_the_first_step(tmp_path):
     lin = read_lineage(create_run_dir(config(deterministic=True), tmp_path, "a"))
     assert lin["model"] == {"name": "tiny", "source": "preset tiny", "spec_sha256": lin["model"]["spec_sha256"]}
@@ -248,4 +268,13 @@ def test_a_baseline_that_does_not_fit_says_why_and_starts_nothing(tmp_path):
     assert result.exit_code == 2
     line = result.output.strip().splitlines()[-1]
     assert line.startswith("error: the naive baseline of tp=2 cannot run: plain data parallel over 2 GPUs needs")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_train_takes_an_hf_config_and_refuses_a_missing_one(tmp_path):
+    from workbench.cli import main
+
+    result = CliRunner().invoke(main, ["train", "--hf-config", str(tmp_path / "none.json"), "--steps", "2",
+                                       "--runs", str(tmp_path / "runs")])
+    assert result.exit_code == 2 and "hf_config" in result.output.strip().splitlines()[-1]
     assert not (tmp_path / "runs").exists()

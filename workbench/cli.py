@@ -308,6 +308,7 @@ def _refuse_options(ctx: click.Context, given: list[str], allowed: tuple[str, ..
 
 @main.command(help=_train_help())
 @click.option("--model", default="tiny", show_default=True, help="Model preset.")
+@click.option("--hf-config", default=None, help="A Hugging Face config.json instead of --model (its hash joins the lineage).")
 @click.option("--plan", "plan_text", default="", help='Plan, e.g. "dp_shard=2,tp=2" (unset degrees are 1).')
 @click.option("--steps", type=int, default=50, show_default=True, help="Steps to train (with --resume: extend the run to this many).")
 @click.option("--config", "config_path", type=click.Path(), default=None, help="A RunConfig JSON file instead.")
@@ -334,8 +335,9 @@ def _refuse_options(ctx: click.Context, given: list[str], allowed: tuple[str, ..
                    "(then: workbench compare PLAN_RUN BASELINE_RUN).")
 @click.option("--resume", "resume_dir", type=click.Path(), default=None,
               help="Continue runs/<id> from its latest good checkpoint.")
-def train(model: str, plan_text: str, steps: int, config_path: str | None, run_root: str, run_id: str | None,
-          balance_stages: bool, max_restarts: int, baseline: bool, resume_dir: str | None, **overrides: Any) -> None:
+def train(model: str, hf_config: str | None, plan_text: str, steps: int, config_path: str | None, run_root: str,
+          run_id: str | None, balance_stages: bool, max_restarts: int, baseline: bool, resume_dir: str | None,
+          **overrides: Any) -> None:
     ctx = click.get_current_context()
     given = _given_options(ctx)
     if resume_dir is not None:  # "" too: a given path that names no run is an error, not a new run
@@ -347,7 +349,8 @@ def train(model: str, plan_text: str, steps: int, config_path: str | None, run_r
         _refuse_options(ctx, given, CONFIG_FILE_OPTIONS, "--config: the file holds the whole RunConfig")
         config = load_config_file(config_path, field="config")
     else:
-        config = config_from_cli(model, plan_text, steps, **{k: v for k, v in overrides.items() if k in given})
+        config = config_from_cli(model, plan_text, steps, hf_config=hf_config,
+                                 **{k: v for k, v in overrides.items() if k in given})
     baseline_of = None
     if baseline:
         require(not balance_stages, "--baseline runs plain data parallel: it has no stages to balance",
@@ -364,7 +367,7 @@ def train(model: str, plan_text: str, steps: int, config_path: str | None, run_r
         config = balance(config)
         click.echo(f"balanced stages (layers per stage): {list(config.plan.stage_layers or ())}")
     sys.exit(train_local(config, run_root=run_root, run_id=run_id, stream=click.echo, max_restarts=max_restarts,
-                         baseline_of=baseline_of))
+                         baseline_of=baseline_of, hf_config=hf_config))
 
 
 # ---------------------------------------------------------------------------- launch

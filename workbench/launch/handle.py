@@ -751,7 +751,7 @@ def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.Path
            run_id: str | None = None, env: dict[str, str] | None = None, join_timeout_s: float = 120.0,
            max_restarts: int = 0, stop_timeout_s: float = 10.0, program: list[str] | None = None,
            files: dict[str, str] | None = None, manifest_extra: dict[str, Any] | None = None,
-           **backend_options: Any) -> RunHandle:
+           hf_config: str | os.PathLike | None = None, **backend_options: Any) -> RunHandle:
     """Start ``config`` on ``config.cluster.nodes`` kernels and return its :class:`RunHandle`.
 
     ``backend``: "local" (kernels on this machine), "ssh" (``hosts=[...]`` or ``hosts_file=``,
@@ -760,7 +760,8 @@ def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.Path
     missing then is named as the failure). ``program`` / ``files``: run another program of the
     worker than the trainer (the cluster benchmark: ``["--bench", "{run_dir}/bench.json"]`` with
     ``files={"bench.json": ...}``); ``config`` then only sizes the job. ``manifest_extra`` joins
-    the run's manifest (a naive baseline's ``baseline_of``: :mod:`workbench.launch.baseline`). Raises :class:`ConfigError`
+    the run's manifest (a naive baseline's ``baseline_of``: :mod:`workbench.launch.baseline`);
+    ``hf_config``: the config.json the model was imported from (its hash goes into the lineage). Raises :class:`ConfigError`
     before anything is made or started when the trainer cannot run the config or an argument is
     wrong (the backend, its options, the timeouts, a data path, a run id already taken)."""
     require(isinstance(config, RunConfig), f"config={type(config).__name__} is not a RunConfig", field="config")
@@ -776,7 +777,7 @@ def launch(config: RunConfig, backend: str = "local", *, run_root: str | os.Path
     if program is None and getattr(be, "shares_run_dir", False):
         _check_local_data_path(config)
     check_run_id_free(run_root, run_id)  # names a live run's pid; create_run_dir refuses any taken id
-    path = create_run_dir(config, run_root, run_id, manifest_extra=manifest_extra)
+    path = create_run_dir(config, run_root, run_id, hf_config=hf_config, manifest_extra=manifest_extra)
     if hasattr(be, "prepare"):  # a scheduler's backend logs and records its allocation there
         be.prepare(path)
     addrs = be.node_addresses(config.cluster.nodes)

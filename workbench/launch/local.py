@@ -35,9 +35,10 @@ from workbench.launch.worker import TRAINER
 POLL_S = 0.2
 
 
-def config_from_cli(model: str, plan: str, steps: int, **train_overrides: Any) -> RunConfig:
+def config_from_cli(model: str, plan: str, steps: int, hf_config: str | None = None, **train_overrides: Any) -> RunConfig:
     """A RunConfig for the bundled trainer on this machine's CPUs: the defaults of a CPU run, built
-    by :func:`~workbench.spec.config.build_run_config`. ``model`` preset, ``plan`` text
+    by :func:`~workbench.spec.config.build_run_config`. ``model`` preset (or ``hf_config``, a Hugging
+    Face config.json), ``plan`` text
     (``"dp_shard=2,tp=2"``; an unset dp_shard is 1), ``steps``; one "node" per 2 ranks; the world
     size is the product of the plan's degrees.
     Defaults: seq_len 64, micro_batch_size 2, fp32; ``train_overrides`` replace any of them
@@ -45,7 +46,7 @@ def config_from_cli(model: str, plan: str, steps: int, **train_overrides: Any) -
     precision = train_overrides.pop("precision", "fp32")
     fields = dict(seq_len=64, micro_batch_size=2, steps=steps, warmup_steps=min(10, max(steps // 10, 1)))
     fields.update(train_overrides)
-    return build_run_config(model, cluster="local-cpu", plan=plan or "", plan_defaults={"dp_shard": 1},
+    return build_run_config(model, hf_config=hf_config, cluster="local-cpu", plan=plan or "", plan_defaults={"dp_shard": 1},
                             size_from_plan=True, precision=precision, **fields)
 
 
@@ -98,16 +99,19 @@ def format_event(event: dict[str, Any], total: int) -> str | None:
 
 def train_local(config: RunConfig, run_root: str | os.PathLike = "runs", run_id: str | None = None,
                 stream: Callable[[str], None] = print, env: dict[str, str] | None = None,
-                max_restarts: int = 0, baseline_of: dict[str, Any] | None = None) -> int:
+                max_restarts: int = 0, baseline_of: dict[str, Any] | None = None,
+                hf_config: str | os.PathLike | None = None) -> int:
     """Create the run directory, run torchrun with one process per rank, stream one line per
     step (from rank 0's events), every error, checkpoint commit, fault, restart and resume; return
     the job's exit status (:mod:`~workbench.launch.outcome`: 0 done, 1 failed, 3 stopped by a guard,
     130/143 interrupted by SIGINT/SIGTERM). ``max_restarts``: torchrun restarts the job that many
     times at most. ``baseline_of``: this run is the naive baseline of that plan (``{"plan": ...,
-    "run_id": ...}``, in the manifest). Bad input raises ConfigError before anything is made or started."""
+    "run_id": ...}``, in the manifest); ``hf_config``: the file the model was imported from (the
+    lineage hashes it). Bad input raises ConfigError before anything is made or started."""
     check_launch(config, max_restarts)
     check_run_id_free(run_root, run_id)  # names a live run's pid; create_run_dir refuses any taken id
-    run_dir = create_run_dir(config, run_root, run_id, manifest_extra={"baseline_of": baseline_of} if baseline_of else None)
+    run_dir = create_run_dir(config, run_root, run_id, hf_config=hf_config,
+                             manifest_extra={"baseline_of": baseline_of} if baseline_of else None)
     stream(f"run {run_dir}  ({config.world_size} ranks, {config.plan.describe()})")
     return _run_torchrun(run_dir, config, stream, env, resume=False, max_restarts=max_restarts).exit_code
 
