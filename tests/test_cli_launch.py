@@ -106,7 +106,7 @@ class FakeRun:
 
     def __init__(self, batches, states, final: str = "finished", why: str = "", on_status=None, stop_batch=()):
         self.path = Path("/runs/r1")
-        self.config = SimpleNamespace(world_size=2, train=SimpleNamespace(steps=2))
+        self.config = SimpleNamespace(world_size=2, train=SimpleNamespace(steps=2, steps_to_run=2, accept=""))
         self.nodes = [SimpleNamespace(index=i, addr=f"127.0.0.{10 + i}") for i in range(2)]
         self.stop_timeout_s = 10.0
         self.batches, self.states, self.final, self.why = list(batches), list(states), final, why

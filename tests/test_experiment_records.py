@@ -93,6 +93,7 @@ def test_lineage_of_every_input_is_there_before_the_first_step(tmp_path):
     assert lin["cluster"]["name"] == "local-cpu" and lin["cluster"]["calibration"] is None
 
 
+@pytest.mark.multiprocess  # two Python processes run from the clone
 def test_lineage_names_a_dirty_tree(tmp_path):
     """A clone of this checkout's HEAD makes one run clean, then one after a tracked file changed:
     the difference is the tree's state and the diff's hash, nothing else."""

@@ -200,7 +200,7 @@ def follow(run: Any, stream: Stream, total_steps: int, signals: StopSignals | No
     printer.print_node_changes(status)
     code, line = verdict(status, printer.events, run.config.world_size, signals.signum, run.path)
     stream(line)
-    code, report = judge_acceptance(code, run.path)
+    code, report = judge_acceptance(code, run.path, run.config.train.accept)
     for line in report:
         stream(line)
     return code

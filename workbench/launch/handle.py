@@ -355,6 +355,8 @@ class RunHandle:
         judged into its events (:func:`~workbench.rundir.acceptance.record_acceptance`, written
         once however many end paths call it), for the app and ``workbench compare`` alike."""
         self._judged = True
+        if not self.config.train.accept:
+            return
         state = self._run_state()
         guarded = any(e["kind"] == "guard" for e in read_events(self.path))
         if state == "finished" or (state == "stopped" and guarded):

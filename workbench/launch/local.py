@@ -288,7 +288,7 @@ def _run_torchrun(run_dir: Path, config: RunConfig, stream: Callable[[str], None
             for line in (run_dir / "torchrun.log").read_text(errors="replace").strip().splitlines()[-5:]:
                 stream(f"  {line}")
         stream(verdict.line)
-        code, report = judge_acceptance(verdict.exit_code, run_dir)
+        code, report = judge_acceptance(verdict.exit_code, run_dir, config.train.accept)
         for line in report:
             stream(line)
         if code != verdict.exit_code:

@@ -154,12 +154,13 @@ def judge(events: Iterable[dict[str, Any]], world_size: int, torchrun_code: int 
                    step, show_log=True)
 
 
-def judge_acceptance(exit_code: int, run_dir: str | Path) -> tuple[int, list[str]]:
+def judge_acceptance(exit_code: int, run_dir: str | Path, accept: str) -> tuple[int, list[str]]:
     """A run that ran to its end (done, or stopped by a guard) is judged on its declared acceptance
     thresholds (:func:`workbench.rundir.acceptance.record_acceptance` writes the ``acceptance``
     event): (EXIT_ACCEPTANCE where a done run failed one, else ``exit_code``; the report lines,
-    the last naming what failed). A guard stop keeps its status: the guard is the first cause."""
-    if exit_code not in (EXIT_DONE, EXIT_GUARD):
+    the last naming what failed). A guard stop keeps its status: the guard is the first cause.
+    ``accept``: the run's declared thresholds (its config's; none: nothing to judge or write)."""
+    if not accept or exit_code not in (EXIT_DONE, EXIT_GUARD):
         return exit_code, []
     results = record_acceptance(run_dir)
     lines = format_results(results)
