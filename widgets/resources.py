@@ -3,7 +3,8 @@ internet (a cluster login node has none, and neither has a laptop on a plane).
 
 - :func:`extension` loads Panel's, Bokeh's and HoloViews' JavaScript *inline* into a notebook,
   not from their CDNs (a blank output cell otherwise), and makes panes shown in several notebook
-  cells update correctly (:func:`update_panes_in_their_own_document`).
+  cells update correctly (:func:`update_panes_in_their_own_document`), and keeps a comm message
+  that reaches the kernel before its comm is open (:func:`keep_comm_messages_until_their_comm_opens`).
 - :class:`OfflineFast` is Panel's Fast design without its Google web font; the served page uses
   the system's font (:data:`SYSTEM_FONT`).
 - :func:`keep_stylesheets_local` points Panel's CDN fallback for stylesheets at the server's own
@@ -42,6 +43,7 @@ def extension() -> None:
     hv.extension("bokeh", logo=False, inline=True)
     update_panes_in_their_own_document()
     inline_holoviews_stylesheets()
+    keep_comm_messages_until_their_comm_opens()
 
 
 def inline_holoviews_stylesheets() -> None:
@@ -68,6 +70,59 @@ def inline_holoviews_stylesheets() -> None:
 
     hv_renderer.render_model = inlined(hv_renderer.render_model)
     hv_renderer.render_mimebundle = inlined(hv_renderer.render_mimebundle)
+
+
+# How many early messages the kernel keeps per comm not yet opened, and for how many such comms
+# (a comm whose open never comes must not grow the kernel without bound).
+EARLY_MESSAGES_PER_COMM = 256
+EARLY_COMMS = 64
+
+
+def keep_comm_messages_until_their_comm_opens() -> None:
+    """JupyterLab (>= 4.4) sends a comm's messages over a kernel *subshell*, and ipykernel (>= 7)
+    runs subshells beside the main shell; the comm's ``comm_open`` still goes to the main shell.
+    While the main shell is busy (*Run All*: the cells after a view still run), a view's first
+    message (a layout size, a click) reaches a subshell before its comm is open there, and
+    ipykernel drops it ("No such comm"). Panel's page side then waits for an acknowledgement that
+    never comes, and buffers every later change of that view made within its 5 s window for good:
+    a click in the page never reaches the kernel. Here a message for a comm not yet open is kept
+    and handled right after that comm opens, in the order it was sent, whatever thread gets what
+    first. Outside a kernel (a served app, a script) this does nothing."""
+    import threading
+
+    from ipykernel.kernelbase import Kernel
+
+    if not Kernel.initialized():
+        return
+    kernel = Kernel.instance()
+    handlers, manager = getattr(kernel, "shell_handlers", None), getattr(kernel, "comm_manager", None)
+    if handlers is None or manager is None or getattr(handlers.get("comm_msg"), "_keeps_early", False):
+        return
+    comm_open, comm_msg = handlers["comm_open"], handlers["comm_msg"]
+    early: dict[str, list[tuple]] = {}  # comm id -> messages that came before its comm_open
+    lock = threading.Lock()
+
+    def keep_or_handle(stream, ident, msg):
+        comm_id = msg["content"].get("comm_id")
+        with lock:
+            if comm_id in early or manager.comms.get(comm_id) is None:
+                if comm_id not in early and len(early) >= EARLY_COMMS:
+                    early.pop(next(iter(early)))  # the oldest comm that never opened
+                kept = early.setdefault(comm_id, [])
+                if len(kept) < EARLY_MESSAGES_PER_COMM:
+                    kept.append((stream, ident, msg))
+                return None
+        return comm_msg(stream, ident, msg)
+
+    def open_then_handle_kept(stream, ident, msg):
+        with lock:  # a message arriving meanwhile waits, so the kept ones are handled first
+            result = comm_open(stream, ident, msg)
+            for args in early.pop(msg["content"].get("comm_id"), []):
+                comm_msg(*args)
+        return result
+
+    keep_or_handle._keeps_early = True
+    handlers["comm_msg"], handlers["comm_open"] = keep_or_handle, open_then_handle_kept
 
 
 def update_panes_in_their_own_document() -> None:
